@@ -1,0 +1,1 @@
+"""Client side: input and output processing, engine-core clients. Imports no torch."""

@@ -1,0 +1,255 @@
+"""EngineConfig: every engine setting in one frozen object, split into per-component parts.
+
+Built from the keyword arguments that `LLM(...)` and `AsyncLLM.from_pretrained(...)` accept.
+It reads the model's `config.json` with the json module only: the client side never imports
+torch or transformers' model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_POLICIES = ("fcfs", "priority")
+_CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the worker needs to load and run the model."""
+
+    model: str
+    architecture: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: block size and how many blocks (or bytes) to allocate."""
+
+    block_size: int
+    num_kv_blocks: int | None  # None: derive from kv_cache_memory_bytes / free memory
+    kv_cache_memory_bytes: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits and the waiting-queue policy."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str  # fcfs | priority
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    device: str  # resolved: cpu | cuda
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every engine setting; each component receives only its own part."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+    ) -> EngineConfig:
+        """Validate the keywords and read the model's config; raises ValueError naming the field."""
+        model_dir = Path(model).expanduser()
+        hf = _read_hf_config(model_dir)
+        _check_choice("dtype", dtype, _DTYPES)
+        _check_choice("device", device, _DEVICES)
+        _check_choice("scheduling_policy", scheduling_policy, _POLICIES)
+        resolved_device = _resolve_device(device)
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("max_num_seqs", max_num_seqs, 1),
+            ("max_num_batched_tokens", max_num_batched_tokens, 1),
+        ):
+            _check_int(name, value, low)
+        if block_size & (block_size - 1) or block_size > 256:
+            raise ValueError(f"block_size={block_size} is invalid: must be a power of two <= 256")
+        if num_kv_blocks is not None:
+            _check_int("num_kv_blocks", num_kv_blocks, 1)
+        if kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
+        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
+        if resolved_device == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
+        _check_int("seed", seed, 0)
+
+        model_len_limit = _model_len_limit(hf)
+        if max_model_len is None:
+            max_model_len = model_len_limit
+        else:
+            _check_int("max_model_len", max_model_len, 1)
+            if max_model_len > model_len_limit:
+                raise ValueError(
+                    f"max_model_len={max_model_len} is larger than the model's "
+                    f"max_position_embeddings ({model_len_limit})"
+                )
+
+        num_heads = int(hf["num_attention_heads"])
+        model_config = ModelConfig(
+            model=str(model_dir),
+            architecture=_architecture(hf, model_dir),
+            dtype=_resolve_dtype(dtype, hf, resolved_device),
+            max_model_len=max_model_len,
+            vocab_size=int(hf["vocab_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+            hidden_size=int(hf["hidden_size"]),
+            eos_token_ids=_eos_token_ids(hf, model_dir),
+            seed=seed,
+        )
+        return cls(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                policy=scheduling_policy,
+            ),
+            device_config=DeviceConfig(device=resolved_device),
+        )
+
+    def replace_cache(self, **changes: Any) -> EngineConfig:
+        """A copy with cache settings changed (the core fixes num_kv_blocks after profiling)."""
+        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **changes))
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is invalid: must be one of {', '.join(allowed)}")
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+def _read_hf_config(model_dir: Path) -> dict[str, Any]:
+    if not model_dir.is_dir():
+        raise ValueError(
+            f"model={str(model_dir)!r} is not a directory: give a local Hugging Face model "
+            "folder (config.json, *.safetensors, tokenizer files); nothing is downloaded"
+        )
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model={str(model_dir)!r} has no config.json")
+    with path.open() as f:
+        hf: dict[str, Any] = json.load(f)
+    # Multimodal wrappers keep the language model's settings in text_config.
+    if "num_attention_heads" not in hf and isinstance(hf.get("text_config"), dict):
+        hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if key not in hf:
+            raise ValueError(f"{path} lacks {key!r}: is this a decoder-only language model?")
+    return hf
+
+
+def _architecture(hf: dict[str, Any], model_dir: Path) -> str:
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{model_dir}/config.json names no architecture ('architectures')")
+    return str(archs[0])
+
+
+def _model_len_limit(hf: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(hf.get(key), int):
+            return int(hf[key])
+    return 2048
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    # Checking for CUDA must not import torch on the client: look for a visible NVIDIA device.
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    return "cuda" if Path("/dev/nvidiactl").exists() and _torch_has_cuda() else "cpu"
+
+
+def _torch_has_cuda() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    # A CPU wheel has no CUDA libraries next to it.
+    lib = Path(spec.origin).parent / "lib"
+    return any(lib.glob("libtorch_cuda*"))
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    declared = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
+    if declared not in ("float32", "bfloat16", "float16"):
+        declared = "float32"
+    # float16 matmuls are slow on CPUs; bfloat16 has the same memory cost and is fast.
+    if device == "cpu" and declared == "float16":
+        return "bfloat16"
+    return declared
+
+
+def _eos_token_ids(hf: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [hf]
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        with gen_path.open() as f:
+            sources.append(json.load(f))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for tok in eos if isinstance(eos, list) else [eos]:
+            if isinstance(tok, int) and tok not in ids:
+                ids.append(tok)
+    return tuple(ids)

@@ -1,0 +1,1 @@
+"""The engine core: EngineCore.step() and the busy loop that drives it."""

@@ -1,0 +1,1 @@
+"""User entry points: the offline LLM API and the command line."""

@@ -1,0 +1,1 @@
+"""Executors drive the workers that run the model."""

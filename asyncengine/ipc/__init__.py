@@ -1,0 +1,1 @@
+"""Wire types and socket helpers between the client and the engine core. Imports no torch."""

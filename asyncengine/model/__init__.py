@@ -1,0 +1,1 @@
+"""Model loading and asyncengine's paged attention plugged into transformers."""

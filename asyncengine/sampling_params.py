@@ -1,0 +1,116 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+It crosses the socket inside `EngineCoreRequest`, so it is a `msgspec.Struct`; the client
+validates it once, at construction, and the core trusts it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a stream carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # a single output when the request finishes
+
+
+def _bad(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field}={value!r} is invalid: {allowed}")
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Per-request sampling settings, vLLM's names and meanings.
+
+    Invalid values raise `ValueError` naming the field and the allowed range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._validate()
+
+    def _validate(self) -> None:  # noqa: C901 - one flat list of checks reads best
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "must be an integer >= 1")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature:
+            raise _bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            raise _bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to disable")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise _bad("seed", self.seed, "must be None or an integer in [0, 2**63)")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "must be None or an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.stop is not None and (
+            not isinstance(self.stop, list)
+            or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise _bad("stop", self.stop, "must be a non-empty string or a list of them")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2.0 <= value <= 2.0:
+                raise _bad(name, value, "must be in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
+        ):
+            raise _bad("logprobs", self.logprobs, f"must be None or an integer in [0, {_MAX_LOGPROBS}]")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise _bad(
+                "output_kind", self.output_kind, "must be CUMULATIVE, DELTA or FINAL_ONLY"
+            ) from None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        return list(self.stop_token_ids or ())

@@ -1,0 +1,1 @@
+"""Scheduler (continuous batching, chunked prefill, preemption) and the paged KV cache manager."""

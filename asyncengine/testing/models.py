@@ -1,0 +1,103 @@
+"""Builders of tiny random-weight models of real architectures, saved like hub checkpoints.
+
+The tests load them through the engine's real loading code, and compare against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_VOCAB_SIZE = 512
+
+
+def _tiny_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer over a fixed vocabulary with byte-ish fallbacks, fully offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words = [
+        "the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "he", "for", "on",
+        "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this", "from",
+        "hello", "world", "engine", "token", "cache", "block", "fast", "async", "model",
+    ]  # fmt: skip
+    vocab: dict[str, int] = {}
+    for tok in specials + ["▁" + w for w in words] + words + ["▁" + c for c in letters] + letters:
+        vocab.setdefault(tok, len(vocab))
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"▁w{i}", len(vocab))
+        i += 1
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix=""))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
+def _config(arch: str, **overrides: Any) -> Any:
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        common.setdefault("head_dim", 32)
+        return transformers.Qwen3Config(**common)
+    raise ValueError(f"unknown tiny architecture {arch!r}: one of {', '.join(TINY_ARCHITECTURES)}")
+
+
+def build_tiny_model(
+    path: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32", **overrides: Any
+) -> Path:
+    """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
+
+    `overrides` change the transformers config (hidden_size, num_hidden_layers, ...).
+    Returns the folder, which holds config.json, model.safetensors and tokenizer files.
+    """
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = _config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Random init gives near-uniform logits; a wider spread keeps greedy argmax far from ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1 if "embed" not in name else 1.0)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    _tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    # Record that this is a plain random checkpoint for anyone looking at the folder.
+    (path / "asyncengine_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return path

@@ -1,0 +1,1 @@
+"""Worker → ModelRunner: packed varlen batch → model forward → Sampler."""

@@ -1,0 +1,1 @@
+"""asyncengine.kernels: attention and cache kernels, each with a torch reference."""
