@@ -113,7 +113,9 @@ class EngineConfig:
         if resolved_device == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
         if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
+            raise ValueError(
+                f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False"
+            )
         _check_int("seed", seed, 0)
 
         model_len_limit = _model_len_limit(hf)
@@ -161,7 +163,9 @@ class EngineConfig:
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A copy with cache settings changed (the core fixes num_kv_blocks after profiling)."""
-        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **changes))
+        return dataclasses.replace(
+            self, cache_config=dataclasses.replace(self.cache_config, **changes)
+        )
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

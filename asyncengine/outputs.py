@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# token id -> (logprob, rank) for the sampled token and the top-N alternatives at one position
-Logprob = tuple[float, int]
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """A token's log-probability at one position, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# token id -> Logprob, for the sampled token and the top-N alternatives at one position
 PositionLogprobs = dict[int, Logprob]
 
 

@@ -55,7 +55,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         self._validate()
 
-    def _validate(self) -> None:  # noqa: C901 - one flat list of checks reads best
+    def _validate(self) -> None:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -64,7 +64,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
         if not is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "must be an integer >= 1")
-        if not is_num(self.temperature) or not 0.0 <= self.temperature:
+        if not is_num(self.temperature) or not self.temperature >= 0.0:
             raise _bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
@@ -81,8 +81,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.stop is not None and (
-            not isinstance(self.stop, list)
-            or not all(isinstance(s, str) and s for s in self.stop)
+            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise _bad("stop", self.stop, "must be a non-empty string or a list of them")
         if self.stop_token_ids is not None and (
@@ -99,7 +98,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
-            raise _bad("logprobs", self.logprobs, f"must be None or an integer in [0, {_MAX_LOGPROBS}]")
+            raise _bad(
+                "logprobs", self.logprobs, f"must be None or an integer in [0, {_MAX_LOGPROBS}]"
+            )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -27,17 +27,19 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
         "hello", "world", "engine", "token", "cache", "block", "fast", "async", "model",
     ]  # fmt: skip
     vocab: dict[str, int] = {}
-    for tok in specials + ["▁" + w for w in words] + words + ["▁" + c for c in letters] + letters:
-        vocab.setdefault(tok, len(vocab))
+    for piece in specials + ["▁" + w for w in words] + words + ["▁" + c for c in letters] + letters:
+        vocab.setdefault(piece, len(vocab))
     i = 0
     while len(vocab) < vocab_size:
         vocab.setdefault(f"▁w{i}", len(vocab))
         i += 1
-    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix=""))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    tokenizer = Tokenizer(
+        models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix="")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -75,7 +77,12 @@ def _config(arch: str, **overrides: Any) -> Any:
 
 
 def build_tiny_model(
-    path: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32", **overrides: Any
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides: Any,
 ) -> Path:
     """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
 
@@ -89,7 +96,7 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     config = _config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     # Random init gives near-uniform logits; a wider spread keeps greedy argmax far from ties.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,108 @@
+"""InputProcessor: a user's prompt and params → validated EngineCoreRequests.
+
+Every check that depends only on the request happens here, on the caller's side, so a bad
+request is refused with a ValueError before it reaches the core.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import cast
+
+from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.config import ModelConfig
+from asyncengine.ipc.messages import EngineCoreRequest
+from asyncengine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The prompt's text (if given as text) and its token ids, validated."""
+        token_ids: list[int]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give a non-empty string or token ids")
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            token_ids = list(cast("Sequence[int]", prompt))
+            text = None
+            vocab = self.model_config.vocab_size
+            bad = [
+                t for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ]  # fmt: skip
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be integers in [0, {vocab}) (the model's vocabulary); "
+                    f"got {bad[:5]!r}"
+                )
+        else:
+            raise ValueError(
+                f"prompt must be a string or a sequence of token ids, not {type(prompt).__name__}"
+            )
+        if not token_ids:
+            raise ValueError("prompt is empty after tokenisation: give at least one token")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
+                f"it must be shorter, leaving room for at least one new token"
+            )
+        return text, token_ids
+
+    def process(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> tuple[str, str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
+        """Validate and tokenise; one EngineCoreRequest per sequence (`n` of them)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, not {request_id!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, not {priority!r}")
+        text, token_ids = self.tokenize(prompt)
+        arrival = time.monotonic()
+        core_requests = [
+            EngineCoreRequest(
+                request_id=core_id,
+                prompt_token_ids=token_ids,
+                sampling_params=_child_params(params, i),
+                arrival_time=arrival,
+                priority=priority,
+            )
+            for i, core_id in enumerate(sequence_ids(request_id, params.n))
+        ]
+        return request_id, text, token_ids, params, core_requests
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """Core-side ids of a request's n sequences (the request id itself when n == 1)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    import msgspec
+
+    # Each sequence samples alone; a seeded request gives its sequences distinct seeds.
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return msgspec.structs.replace(params, n=1, seed=seed)

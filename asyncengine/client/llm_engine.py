@@ -1,0 +1,82 @@
+"""LLMEngine: the synchronous in-process engine behind `LLM` and the CLI.
+
+add_request → InputProcessor → EngineCore.add_request; step → EngineCore.step →
+OutputProcessor → RequestOutputs (stop-string hits are aborted in the core).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from asyncengine.client.input_processor import InputProcessor, Prompt
+from asyncengine.client.output_processor import OutputProcessor
+from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.config import EngineConfig
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        # The core pulls in torch; the rest of client/ must not, so import it here.
+        from asyncengine.core.engine_core import EngineCore
+
+        self.tokenizer = Tokenizer(config.model_config.model)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self.config = self.engine_core.config
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; returns its id. ValueError for a bad request."""
+        if request_id is not None and request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id, text, token_ids, params, core_requests = self.input_processor.process(
+            prompt, params, request_id=request_id, priority=priority
+        )
+        added: list[str] = []
+        try:
+            for core_request in core_requests:
+                self.engine_core.add_request(core_request)
+                added.append(core_request.request_id)
+        except BaseException:
+            self.engine_core.abort_requests(added)
+            raise
+        state = self.output_processor.new_request_state(
+            request_id,
+            text,
+            token_ids,
+            params,
+            [r.request_id for r in core_requests],
+            core_requests[0].arrival_time,
+        )
+        self.output_processor.add_request(state)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; the outputs of the requests that made progress."""
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.core_ids_to_abort:
+            self.engine_core.abort_requests(processed.core_ids_to_abort)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,211 @@
+"""OutputProcessor: EngineCoreOutputs → RequestOutput, per request and output kind.
+
+It detokenises incrementally, applies stop strings (asking the core to abort a request whose
+text hit one), gathers the `n` sequences of a request, and shapes each output as CUMULATIVE,
+DELTA or FINAL_ONLY.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from asyncengine.client.detokenizer import IncrementalDetokenizer
+from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.ipc.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsEntry
+from asyncengine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class SequenceState:
+    """One of a request's `n` sequences; `core_id` names it in the engine core."""
+
+    index: int
+    core_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text_len: int = 0  # DELTA bookkeeping: what earlier outputs already carried
+    sent_num_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A user request as the client tracks it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    core_ids_to_abort: list[str]  # sequences that hit a stop string: the core must drop them
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._sequences: dict[str, tuple[RequestState, SequenceState]] = {}  # by core id
+
+    def new_request_state(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        core_ids: list[str],
+        arrival_time: float,
+    ) -> RequestState:
+        sequences = [
+            SequenceState(
+                index=i,
+                core_id=core_id,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for i, core_id in enumerate(core_ids)
+        ]
+        metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        return RequestState(request_id, prompt, prompt_token_ids, params, sequences, metrics)
+
+    def add_request(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        for seq in state.sequences:
+            self._sequences[seq.core_id] = (state, seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget requests; returns the core ids of their sequences still running."""
+        core_ids: list[str] = []
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.sequences:
+                if self._sequences.pop(seq.core_id, None) is not None:
+                    core_ids.append(seq.core_id)
+        return core_ids
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        now = time.monotonic()
+        touched: dict[str, tuple[RequestState, list[SequenceState]]] = {}
+        to_abort: list[str] = []
+        for out in outputs.outputs:
+            entry = self._sequences.get(out.request_id)
+            if entry is None:
+                continue  # aborted by the client meanwhile
+            state, seq = entry
+            if self._apply(state, seq, out, now):
+                to_abort.append(seq.core_id)
+            if seq.finish_reason is not None:
+                del self._sequences[seq.core_id]
+            touched.setdefault(state.request_id, (state, []))[1].append(seq)
+
+        request_outputs: list[RequestOutput] = []
+        for state, changed in touched.values():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+            request_output = self._make_output(state, changed, finished)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return ProcessedOutputs(request_outputs, to_abort)
+
+    def _apply(
+        self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float
+    ) -> bool:
+        """Fold one core output into `seq`; True when a stop string ended it here."""
+        metrics = state.metrics
+        if metrics.first_token_time is None and out.new_token_ids:
+            metrics.first_token_time = now
+            metrics.num_cached_tokens = out.num_cached_tokens
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += len(out.new_token_ids)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._decode_logprobs(e) for e in out.new_logprobs)
+        stop_str = seq.detokenizer.update(out.new_token_ids)
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+            return out.finish_reason is None  # the core still runs it
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = str(out.finish_reason), out.stop_reason
+        return False
+
+    def _decode_logprobs(self, entry: LogprobsEntry) -> PositionLogprobs:
+        token_ids, logprobs, sampled_rank = entry
+        result: PositionLogprobs = {}
+        for pos, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+            if token_id in result:
+                continue
+            rank = sampled_rank if pos == 0 else pos
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            result[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+        return result
+
+    def _make_output(
+        self, state: RequestState, changed: list[SequenceState], finished: bool
+    ) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            completions = [self._completion(s, delta=False) for s in state.sequences]
+        elif kind == RequestOutputKind.DELTA:
+            completions = [self._completion(s, delta=True) for s in changed]
+        else:
+            completions = [self._completion(s, delta=False) for s in state.sequences]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=state.metrics,
+        )
+
+    @staticmethod
+    def _completion(seq: SequenceState, delta: bool) -> CompletionOutput:
+        text = seq.detokenizer.visible_text(seq.finish_reason is not None)
+        token_ids, logprobs = seq.token_ids, seq.logprobs
+        if delta:
+            text_start, tok_start = seq.sent_text_len, seq.sent_num_tokens
+            seq.sent_text_len, seq.sent_num_tokens = len(text), len(token_ids)
+            text, token_ids = text[text_start:], token_ids[tok_start:]
+            logprobs = logprobs[tok_start:] if logprobs is not None else None
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,74 @@
+"""EngineCore: the step loop's body — schedule, execute, update.
+
+EngineCoreRequest → Scheduler.schedule() → Executor.execute_model() →
+Scheduler.update_from_output() → EngineCoreOutputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from asyncengine.config import EngineConfig
+from asyncengine.executor.factory import executor_class
+from asyncengine.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from asyncengine.sched.kv_cache_manager import KVCacheManager
+from asyncengine.sched.scheduler import Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; `step()` runs one batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.executor = executor_class(config)(config)
+        try:
+            num_blocks = self.executor.determine_num_kv_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.config = config.replace_cache(num_kv_blocks=num_blocks)
+        cache = self.config.cache_config
+        self.scheduler = Scheduler(
+            self.config.scheduler_config,
+            KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
+            self.config.model_config.eos_token_ids,
+        )
+        logger.info("engine core ready in %.2f s", time.monotonic() - start)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (for its sender only) when it cannot be served."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or self.scheduler.has_finished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one batch: 1. schedule, 2. execute, 3. fold the sampled tokens back in."""
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = time.monotonic()
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,115 @@
+"""LLM: the synchronous offline API — many prompts in, their outputs in input order."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from asyncengine.client.input_processor import Prompt
+from asyncengine.client.llm_engine import LLMEngine
+from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.config import EngineConfig
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Offline batched generation with the engine core in this process.
+
+    >>> llm = LLM("path/to/model", dtype="bfloat16")
+    >>> outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
+
+    Keyword arguments are EngineConfig's (dtype, device, block_size, num_kv_blocks,
+    kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, scheduling_policy, seed).
+    """
+
+    def __init__(self, model: str | os.PathLike[str], **config: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **config))
+        self._counter = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; the outputs come back in input order.
+
+        `prompts` is one prompt or a list (a prompt is a string or a list of token ids);
+        `params` is one SamplingParams for all, or one per prompt. A bad prompt or
+        parameter raises ValueError before anything runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts: "
+                    "give one for all, or exactly one per prompt"
+                )
+        # Validate everything first, so a bad prompt cannot leave half a batch queued.
+        for prompt in prompt_list:
+            self.engine.input_processor.tokenize(prompt)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompt_list, param_list, strict=True):
+                # Offline callers want the final outputs only: don't build per-step ones.
+                p = _final_only(p)
+                ids.append(self.engine.add_request(f"llm-{next(self._counter)}", prompt, p))
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # type: ignore[list-item]  # one prompt given as token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    import msgspec
+
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -1,0 +1,58 @@
+"""Messages between the scheduler and the workers: SchedulerOutput → ModelRunnerOutput.
+
+Both are msgspec Structs so an executor can broadcast them to worker processes cheaply.
+SchedulerOutput carries only what the workers need; the workers keep each request's tokens and
+block table between steps and receive only what changed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncengine.ipc.messages import LogprobsEntry
+from asyncengine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the workers have not seen yet (or are seeing again after a preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, plus outputs generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in the cache
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the workers already hold: its new blocks and where its computation stands."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step's work: which requests run, and how many tokens of each."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # in batch order: cached requests first, then new
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]  # finished, aborted or preempted since the last step: drop them
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    """Tokens sampled in one step, one entry per scheduled request, in batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # empty for a prefill chunk that did not reach the end
+    logprobs: list[LogprobsEntry | None] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

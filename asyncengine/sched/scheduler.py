@@ -1,0 +1,264 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step shares one token budget (`max_num_batched_tokens`) between the running requests
+(decodes and unfinished prefill chunks, served first) and the waiting ones (admitted in policy
+order while the budget, `max_num_seqs` and the KV cache allow). When the cache runs out, the
+policy's victim is preempted: its blocks are freed and it is recomputed later from scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from asyncengine.config import SchedulerConfig
+from asyncengine.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from asyncengine.sched.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncengine.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from asyncengine.sched.request import Request, RequestStatus
+from asyncengine.sched.request_queue import make_request_queue
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and cache."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_preemptions: int
+    kv_cache: KVCacheStats
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queue a validated request; ValueError if its id is live or it can never fit."""
+        if core_request.request_id in self.requests:
+            raise ValueError(f"request_id {core_request.request_id!r} is already in use")
+        request = Request.from_core_request(
+            core_request, self.eos_token_ids, self.config.max_model_len
+        )
+        if request.max_tokens < 1:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
+                f"within max_model_len={self.config.max_model_len}"
+            )
+        blocks_needed = -(-(request.num_prompt_tokens + request.max_tokens) // self.block_size)
+        total = self.kv_cache_manager.num_blocks
+        if blocks_needed > total:
+            raise ValueError(
+                f"request {request.request_id!r} may need {blocks_needed} KV blocks "
+                f"({request.num_prompt_tokens} prompt + {request.max_tokens} new tokens) but "
+                f"the cache holds only {total}: lower max_tokens or enlarge the KV cache"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests early (client abort); their blocks are freed at once."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = FinishReason.ABORT
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch; every chosen request's blocks are allocated."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        preempted = False
+
+        # 1. Running requests first: a decode token each, or their next prefill chunk.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.waiting.pick_victim(self.running)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                continue  # `request` itself was preempted; running[i] is now the next one
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            # A priority victim may have stood before `request`, shifting it left.
+            i = self.running.index(request) + 1 if preempted else i + 1
+        # A request preempted after it was scheduled must not stay in this step's batch.
+        if preempted:
+            live = {r.request_id for r in self.running}
+            cached_reqs = [c for c in cached_reqs if c.request_id in live]
+            num_scheduled = {k: v for k, v in num_scheduled.items() if k in live}
+            budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
+
+        # 2. Then waiting requests, unless this step already had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=request.eos_token_ids,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_cached,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 3. Advance the computed counts: the step will compute exactly these tokens.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = []
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.append(request.request_id)  # workers drop its state
+        self.waiting.add_preempted(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, finish requests that stop, and report what is new."""
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        for idx, (req_id, token_ids) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:
+                continue  # aborted meanwhile, or a prefill chunk that samples nothing
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            entry = logprobs[idx] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=[entry] if entry is not None else None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.finish_reason is not None:
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.finish_reason = FinishReason.STOP
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.finish_reason = FinishReason.STOP
+                request.stop_reason = token_id
+                return True
+        if request.num_output_tokens >= request.max_tokens:
+            request.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    # ---- introspection -------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache=self.kv_cache_manager.stats(),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

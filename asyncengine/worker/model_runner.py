@@ -1,0 +1,197 @@
+"""ModelRunner: one packed (varlen) batch per step → model forward → Sampler.
+
+Pipeline: SchedulerOutput → (update request states) → packed inputs + AttentionMetadata →
+model forward with logits only at sampling positions → Sampler → ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncengine.config import CacheConfig, ModelConfig
+from asyncengine.ipc.messages import LogprobsEntry
+from asyncengine.model.attention import AttentionMetadata
+from asyncengine.model.loader import load_model
+from asyncengine.sched.output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from asyncengine.worker.sampler import Sampler, SamplerOutput
+from asyncengine.worker.sampling_metadata import SamplingRequestState, build_sampling_metadata
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps of a request between steps."""
+
+    token_ids: list[int]  # prompt + generated tokens (the runner appends what it samples)
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingRequestState
+
+
+@dataclass(slots=True)
+class _BatchInputs:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] packed positions whose logits are sampled
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = device
+        self.dtype: torch.dtype = getattr(torch, model_config.dtype)
+        self.block_size = cache_config.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_config, self.device)
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert self.model is not None, "load_model() first"
+        batch = self._prepare_inputs(scheduler_output)
+        logits = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.positions,
+            logits_to_keep=batch.logits_indices,
+            use_cache=False,
+            asyncengine_attn=batch.attn,
+        ).logits[0]  # [S, V]
+        return self._sample(scheduler_output, batch, logits)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = list(new.token_ids)
+            self.requests[new.request_id] = CachedRequestState(
+                token_ids=tokens,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=SamplingRequestState(
+                    params=new.sampling_params,
+                    prompt_token_ids=tokens[: new.num_prompt_tokens],
+                    output_token_ids=tokens[new.num_prompt_tokens :],
+                    eos_token_ids=new.eos_token_ids,
+                ),
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> _BatchInputs:
+        bs = self.block_size
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        states = [self.requests[r] for r in req_ids]
+        counts = list(scheduler_output.num_scheduled_tokens.values())
+        token_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)  # [B, max_blocks]
+        for i, (state, n) in enumerate(zip(states, counts, strict=True)):
+            start = state.num_computed_tokens
+            token_ids.extend(state.token_ids[start : start + n])
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            seq_lens.append(start + n)
+            block_table[i, : len(state.block_ids)] = state.block_ids
+            if start + n == len(state.token_ids):
+                sample_rows.append(i)
+        pos = np.concatenate(positions)  # [T]
+        query_start_loc = [0, *np.cumsum(counts).tolist()]
+        row_of_token = np.repeat(np.arange(num_reqs), counts)  # [T]
+        slot_mapping = block_table[row_of_token, pos // bs] * bs + pos % bs  # [T]
+        decode_rows = [i for i, n in enumerate(counts) if n == 1]
+        dev = self.device
+        attn = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=torch.from_numpy(block_table).to(dev),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+        )
+        logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
+        return _BatchInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev)[None],
+            positions=torch.from_numpy(pos).to(dev)[None],
+            attn=attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sample_req_ids=[req_ids[i] for i in sample_rows],
+        )
+
+    def _sample(
+        self, scheduler_output: SchedulerOutput, batch: _BatchInputs, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        sampled_by_req: dict[str, list[int]] = {}
+        logprobs_by_req: dict[str, LogprobsEntry] = {}
+        if batch.sample_req_ids:
+            states = [self.requests[r].sampling for r in batch.sample_req_ids]
+            metadata = build_sampling_metadata(states, self.model_config.vocab_size, logits.device)
+            out = self.sampler.forward(logits[:, : self.model_config.vocab_size], metadata)
+            sampled = out.sampled_token_ids.tolist()
+            for req_id, token_id in zip(batch.sample_req_ids, sampled, strict=True):
+                state = self.requests[req_id]
+                state.token_ids.append(token_id)
+                state.sampling.output_token_ids.append(token_id)
+                sampled_by_req[req_id] = [token_id]
+            if out.logprobs is not None:
+                logprobs_by_req = _logprobs_entries(batch.sample_req_ids, states, out)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[sampled_by_req.get(r, []) for r in req_ids],
+            logprobs=[logprobs_by_req.get(r) for r in req_ids] if logprobs_by_req else None,
+        )
+
+
+def _logprobs_entries(
+    req_ids: list[str], states: list[SamplingRequestState], out: SamplerOutput
+) -> dict[str, LogprobsEntry]:
+    assert out.logprob_token_ids is not None and out.logprobs is not None
+    assert out.sampled_token_ranks is not None
+    ids = out.logprob_token_ids.tolist()
+    lps = out.logprobs.tolist()
+    ranks = out.sampled_token_ranks.tolist()
+    entries: dict[str, LogprobsEntry] = {}
+    for row, (req_id, state) in enumerate(zip(req_ids, states, strict=True)):
+        n = state.params.logprobs
+        if n is not None:
+            entries[req_id] = (ids[row][: n + 1], lps[row][: n + 1], int(ranks[row]))
+    return entries

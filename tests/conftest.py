@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random-weight models of real architectures, built once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from asyncengine.testing import build_tiny_model
+
+# Two cores: one torch thread per test process keeps timings of tiny models sane.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Build (once) and return the folder of a tiny model: factory(arch="llama", **overrides)."""
+    cache: dict[tuple[str, tuple[tuple[str, object], ...]], Path] = {}
+
+    def factory(arch: str = "llama", **overrides: object) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_tiny_model(path, arch, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama")

@@ -1,0 +1,164 @@
+"""Scheduler invariants under random workloads, with a fake model that samples at random."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncengine.config import SchedulerConfig
+from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.sched.kv_cache_manager import KVCacheManager
+from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.sched.scheduler import Scheduler
+
+EOS = 0
+
+
+class FakeRunner:
+    """Tracks what a worker would: each request's tokens; samples random tokens."""
+
+    def __init__(self, rng: random.Random, vocab: int = 50) -> None:
+        self.rng = rng
+        self.vocab = vocab
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.request_id] = list(new.token_ids)
+            self.computed[new.request_id] = new.num_computed_tokens
+        for cached in out.scheduled_cached_reqs:
+            self.computed[cached.request_id] = cached.num_computed_tokens
+        sampled = []
+        for rid, n in out.num_scheduled_tokens.items():
+            assert n >= 1
+            done = self.computed[rid] + n
+            assert done <= len(self.tokens[rid]), "scheduled tokens the worker does not know"
+            if done == len(self.tokens[rid]):
+                tok = self.rng.randrange(self.vocab)
+                self.tokens[rid].append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+
+def _make(num_blocks: int, budget: int, max_seqs: int, policy: str, prefix: bool) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=128, policy=policy
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, 4, prefix), eos_token_ids=(EOS,))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(34, 80),
+    budget=st.integers(1, 64),
+    max_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    prefix=st.booleans(),
+    num_requests=st.integers(1, 12),
+)
+def test_random_workload_keeps_invariants(
+    seed: int,
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    policy: str,
+    prefix: bool,
+    num_requests: int,
+) -> None:
+    rng = random.Random(seed)
+    sched = _make(num_blocks, budget, max_seqs, policy, prefix)
+    runner = FakeRunner(rng)
+    shared = [rng.randrange(1, 50) for _ in range(24)]
+    pending = []
+    for i in range(num_requests):
+        plen = rng.randint(1, 60)
+        prompt = (shared[: rng.randint(0, 24)] + [rng.randrange(1, 50) for _ in range(plen)])[:100]
+        params = SamplingParams(max_tokens=rng.randint(1, 28), ignore_eos=rng.random() < 0.5)
+        pending.append(
+            EngineCoreRequest(
+                f"r{i}", prompt, params, arrival_time=float(i), priority=rng.randint(0, 3)
+            )
+        )
+    finished: dict[str, FinishReason] = {}
+    for _step in range(2000):
+        if pending and rng.random() < 0.5:
+            sched.add_request(pending.pop(0))
+        if sched.running and rng.random() < 0.05:
+            victim = rng.choice(sched.running).request_id
+            sched.abort_requests([victim])
+            finished[victim] = FinishReason.ABORT
+        if not sched.has_requests() and not pending:
+            break
+        out = sched.schedule()
+        # The token budget is never exceeded, nor max_num_seqs, nor max_model_len.
+        assert out.total_num_scheduled_tokens <= budget
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert len(sched.running) <= max_seqs
+        for rid in out.num_scheduled_tokens:
+            assert sched.requests[rid].num_computed_tokens <= 128
+        if sched.has_requests():
+            assert out.total_num_scheduled_tokens > 0, "a step with work scheduled nothing"
+        result = sched.update_from_output(out, runner.execute(out))
+        for o in result.outputs:
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason
+        kv = sched.kv_cache_manager
+        held = sum(len(kv.get_block_ids(r.request_id)) for r in sched.running)
+        assert kv.num_free_blocks + held >= kv.num_blocks - held  # sanity: no negative counts
+    assert not sched.has_requests() and not pending
+    assert len(finished) == num_requests
+    # Every block is back in the pool once all requests are finished or aborted.
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def test_request_that_cannot_fit_is_refused_with_its_sizes() -> None:
+    sched = _make(num_blocks=4, budget=16, max_seqs=4, policy="fcfs", prefix=True)
+    req = EngineCoreRequest("big", list(range(1, 15)), SamplingParams(max_tokens=8), 0.0)
+    try:
+        sched.add_request(req)
+    except ValueError as e:
+        assert "KV blocks" in str(e) and "big" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+    assert not sched.has_requests()
+
+
+def test_duplicate_request_id_is_refused() -> None:
+    sched = _make(num_blocks=40, budget=16, max_seqs=4, policy="fcfs", prefix=True)
+    sched.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(), 0.0))
+    try:
+        sched.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(), 0.0))
+    except ValueError as e:
+        assert "already in use" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_priority_policy_admits_lower_priority_value_first() -> None:
+    sched = _make(num_blocks=40, budget=4, max_seqs=1, policy="priority", prefix=False)
+    sched.add_request(EngineCoreRequest("late-low", [1, 2, 3], SamplingParams(), 0.0, priority=5))
+    sched.add_request(EngineCoreRequest("urgent", [4, 5, 6], SamplingParams(), 1.0, priority=0))
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["urgent"]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
+    sched = _make(num_blocks=60, budget=8, max_seqs=4, policy="fcfs", prefix=False)
+    runner = FakeRunner(random.Random(0))
+    sched.add_request(
+        EngineCoreRequest("short", [1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 0.0)
+    )
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))
+    sched.add_request(EngineCoreRequest("long", list(range(1, 30)), SamplingParams(), 1.0))
+    out = sched.schedule()
+    # One decode token for "short", the rest of the budget goes to a chunk of "long".
+    assert out.num_scheduled_tokens == {"short": 1, "long": 7}
