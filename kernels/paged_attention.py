@@ -69,24 +69,23 @@ def _decode(
     rows: torch.Tensor,  # [Bd] indices of decode sequences
     output: torch.Tensor,
 ) -> None:
+    # Written as two batched matmuls rather than SDPA: with a padding mask, CPU SDPA takes a
+    # slow generic path, and the grouped-query layout needs no repeated K/V this way.
     block_size = kv_cache.shape[2]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    lens = torch.tensor(seq_lens, device=query.device)[rows]  # [Bd]
-    max_len = int(lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    token_idx = torch.tensor(query_start_loc[:-1], device=query.device)[rows]  # [Bd]
-    blocks = block_table[rows, :num_blocks]  # [Bd, nb]
     bd = rows.numel()
-    k = kv_cache[0, blocks].reshape(bd, -1, num_kv_heads, head_dim)  # [Bd, nb*bs, H_kv, D]
-    v = kv_cache[1, blocks].reshape(bd, -1, num_kv_heads, head_dim)
-    mask = torch.arange(k.shape[1], device=query.device)[None, :] < lens[:, None]  # [Bd, L]
-    q = query[token_idx].unsqueeze(2)  # [Bd, H_q, 1, D]
-    o = F.scaled_dot_product_attention(
-        q,
-        k.transpose(1, 2).to(q.dtype),
-        v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
-    )  # [Bd, H_q, 1, D]
-    output[token_idx] = o.squeeze(2)
+    num_q_heads = query.shape[1]
+    lens = torch.tensor(seq_lens, device=query.device)[rows]  # [Bd]
+    num_blocks = (max(seq_lens[i] for i in rows.tolist()) + block_size - 1) // block_size
+    token_idx = torch.tensor(query_start_loc[:-1], device=query.device)[rows]  # [Bd]
+    kv = kv_cache[:, block_table[rows, :num_blocks]]  # [2, Bd, nb, bs, H_kv, D]
+    kv = kv.reshape(2, bd, -1, num_kv_heads, head_dim)  # [2, Bd, L, H_kv, D]
+    k = kv[0].permute(0, 2, 3, 1)  # [Bd, H_kv, D, L]
+    v = kv[1].transpose(1, 2)  # [Bd, H_kv, L, D]
+    q = query[token_idx].view(bd, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q.to(k.dtype), k).float() * scale  # [Bd, H_kv, G, L]
+    pad = torch.arange(scores.shape[-1], device=query.device)[None, :] >= lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)  # [Bd, H_kv, G, L]
+    out = torch.matmul(probs, v)  # [Bd, H_kv, G, D]
+    output[token_idx] = out.reshape(bd, num_q_heads, head_dim).to(output.dtype)

