@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from asyncengine.kernels.paged_attention import paged_attention_torch
+from asyncengine.kernels.paged_attention import (
+    TorchAttentionPlan,
+    paged_attention_torch,
+    plan_paged_attention_torch,
+)
 from asyncengine.kernels.reshape_and_cache import reshape_and_cache_torch
 
 ATTN_IMPLEMENTATION = "asyncengine_paged"
@@ -24,10 +28,21 @@ class AttentionMetadata:
 
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, H_kv, D]
     slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: list[int]  # B + 1 offsets into the packed tokens
-    seq_lens: list[int]  # [B] tokens in the cache after this step
-    block_table: torch.Tensor  # [B, max_blocks] int64
-    decode_rows: torch.Tensor  # [Bd] sequences with a single query token
+    plan: TorchAttentionPlan  # the batch layout, planned once per step for every layer
+
+    @classmethod
+    def build(
+        cls,
+        kv_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T]
+        query_start_loc: list[int],  # B + 1 offsets into the packed tokens
+        seq_lens: list[int],  # [B] tokens in the cache after this step
+        block_table: torch.Tensor,  # [B, max_blocks]
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> AttentionMetadata:
+        plan = plan_paged_attention_torch(query_start_loc, seq_lens, block_table, block_size, dtype)
+        return cls(kv_caches=kv_caches, slot_mapping=slot_mapping, plan=plan)
 
 
 def paged_attention_forward(
@@ -44,19 +59,11 @@ def paged_attention_forward(
     meta: AttentionMetadata = kwargs["asyncengine_attn"]
     kv_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
     q = query[0].transpose(0, 1)  # [T, H_q, D]
-    reshape_and_cache_torch(
-        key[0].transpose(0, 1), value[0].transpose(0, 1), kv_cache, meta.slot_mapping
-    )
+    k = key[0].transpose(0, 1)  # [T, H_kv, D]
+    v = value[0].transpose(0, 1)
+    reshape_and_cache_torch(k, v, kv_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention_torch(
-        q,
-        kv_cache,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_table,
-        scale,
-        meta.decode_rows,
-    )  # [T, H_q, D]
+    out = paged_attention_torch(q, k, v, kv_cache, meta.plan, scale)  # [T, H_q, D]
     return out.unsqueeze(0), None
 
 

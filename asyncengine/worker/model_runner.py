@@ -137,15 +137,15 @@ class ModelRunner:
         query_start_loc = [0, *np.cumsum(counts).tolist()]
         row_of_token = np.repeat(np.arange(num_reqs), counts)  # [T]
         slot_mapping = block_table[row_of_token, pos // bs] * bs + pos % bs  # [T]
-        decode_rows = [i for i, n in enumerate(counts) if n == 1]
         dev = self.device
-        attn = AttentionMetadata(
+        attn = AttentionMetadata.build(
             kv_caches=self.kv_caches,
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=torch.from_numpy(block_table).to(dev),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+            block_size=bs,
+            dtype=self.dtype,
         )
         logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
         return _BatchInputs(
