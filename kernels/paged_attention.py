@@ -32,7 +32,7 @@ class TorchAttentionPlan:
 
     decode_token_idx: torch.Tensor | None  # [Bd] packed positions of single-token queries
     decode_block_ids: torch.Tensor | None  # [Bd * nb] their blocks, row-major
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] additive padding mask
+    decode_mask: torch.Tensor | None  # [Bd, 1, L] fp32 additive padding mask, L = nb * bs
     prefills: list[_Prefill]
 
 
@@ -69,11 +69,11 @@ def plan_paged_attention_torch(
     lens = torch.tensor([seq_lens[i] for i in decode_rows], device=device)  # [Bd]
     nb = -(-max(seq_lens[i] for i in decode_rows) // block_size)
     pad = torch.arange(nb * block_size, device=device)[None, :] >= lens[:, None]  # [Bd, L]
-    mask = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
+    mask = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))  # fp32
     return TorchAttentionPlan(
         decode_token_idx=torch.tensor([query_start_loc[i] for i in decode_rows], device=device),
         decode_block_ids=block_table[rows, :nb].reshape(-1),
-        decode_mask=mask[:, None, None, :],
+        decode_mask=mask[:, None, :],
         prefills=prefills,
     )
 
@@ -82,15 +82,15 @@ def paged_attention_torch(
     query: torch.Tensor,  # [T, H_q, D]
     key: torch.Tensor,  # [T, H_kv, D] this step's keys (also written to the cache)
     value: torch.Tensor,  # [T, H_kv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D]
+    kv_cache: torch.Tensor,  # [2, H_kv, num_blocks, block_size, D]
     plan: TorchAttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, H_q, D]
     """Torch reference: decodes in one batched call, prefill chunks one sequence at a time."""
     output = torch.empty_like(query)
-    num_blocks, _block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    num_kv_heads, num_blocks, _block_size, head_dim = kv_cache.shape[1:]
     # index_select over flat blocks is several times faster than advanced indexing on CPU.
-    flat_cache = kv_cache.view(2, num_blocks, -1)  # [2, num_blocks, bs * H_kv * D]
+    flat_cache = kv_cache.view(2, num_kv_heads, num_blocks, -1)  # [2, H_kv, nblk, bs * D]
     if plan.decode_token_idx is not None:
         _decode(query, flat_cache, plan, scale, output, num_kv_heads, head_dim)
     gqa = query.shape[1] != num_kv_heads
@@ -100,9 +100,9 @@ def paged_attention_torch(
             k = key[p.start : p.end].transpose(0, 1)  # [H_kv, S, D]
             v = value[p.start : p.end].transpose(0, 1)
         else:
-            kv = flat_cache.index_select(1, p.block_ids)  # [2, nb, bs * H_kv * D]
-            kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]  # [2, S, H_kv, D]
-            k, v = kv[0].transpose(0, 1).to(q.dtype), kv[1].transpose(0, 1).to(q.dtype)
+            kv = flat_cache.index_select(2, p.block_ids)  # [2, H_kv, nb, bs * D]
+            kv = kv.view(2, num_kv_heads, -1, head_dim)[:, :, : p.seq_len]  # [2, H_kv, S, D]
+            k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
         )  # [H_q, q_len, D]
@@ -112,7 +112,7 @@ def paged_attention_torch(
 
 def _decode(
     query: torch.Tensor,
-    flat_cache: torch.Tensor,
+    flat_cache: torch.Tensor,  # [2, H_kv, num_blocks, bs * D]
     plan: TorchAttentionPlan,
     scale: float,
     output: torch.Tensor,
@@ -120,13 +120,21 @@ def _decode(
     head_dim: int,
 ) -> None:
     assert plan.decode_block_ids is not None and plan.decode_token_idx is not None
+    assert plan.decode_mask is not None
     bd = plan.decode_token_idx.numel()
     num_q_heads = query.shape[1]
-    kv = flat_cache.index_select(1, plan.decode_block_ids)  # [2, Bd * nb, bs * H_kv * D]
-    kv = kv.view(2, bd, -1, num_kv_heads, head_dim)  # [2, Bd, L, H_kv, D]
-    k = kv[0].transpose(1, 2).to(query.dtype)  # [Bd, H_kv, L, D]
-    v = kv[1].transpose(1, 2).to(query.dtype)
-    # Each KV head's G query heads act as G query positions of one sequence: no K/V repeat.
-    q = query[plan.decode_token_idx].view(bd, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
-    output[plan.decode_token_idx] = o.reshape(bd, num_q_heads, head_dim)  # [Bd, H_q, D]
+    group = num_q_heads // num_kv_heads
+    kv = flat_cache.index_select(2, plan.decode_block_ids)  # [2, H_kv, Bd * nb, bs * D]
+    kv = kv.view(2, num_kv_heads, bd, -1, head_dim)  # [2, H_kv, Bd, L, D]
+    # Batched (head, sequence) first, so K/V are used as gathered; each KV head's G query
+    # heads are G query rows of one small matmul, so K/V are never repeated. Two matmuls
+    # in the cache dtype with an fp32 softmax beat SDPA's flash kernel (built for long query
+    # blocks) about twice over on CPU.
+    q = query[plan.decode_token_idx].view(bd, num_kv_heads, group, head_dim).transpose(0, 1)
+    scores = torch.matmul(q.to(kv.dtype), kv[0].transpose(-1, -2)).float()  # [H_kv, Bd, G, L]
+    scores.mul_(scale).add_(plan.decode_mask)
+    probs = scores.softmax(dim=-1).to(kv.dtype)
+    out = torch.matmul(probs, kv[1])  # [H_kv, Bd, G, D]
+    output[plan.decode_token_idx] = out.transpose(0, 1).reshape(bd, num_q_heads, head_dim).to(
+        output.dtype
+    )

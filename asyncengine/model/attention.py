@@ -26,7 +26,7 @@ ATTN_IMPLEMENTATION = "asyncengine_paged"
 class AttentionMetadata:
     """Where this step's tokens live in the paged cache, for every layer alike."""
 
-    kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, H_kv, D]
+    kv_caches: list[torch.Tensor]  # per layer [2, H_kv, num_blocks, block_size, D]
     slot_mapping: torch.Tensor  # [T] int64
     plan: TorchAttentionPlan  # the batch layout, planned once per step for every layer
 

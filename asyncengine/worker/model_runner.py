@@ -69,7 +69,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]

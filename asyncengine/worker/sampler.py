@@ -59,9 +59,7 @@ class Sampler(torch.nn.Module):
 
         needs_processing = metadata.min_tokens_indices is not None or not metadata.no_penalties
         if metadata.all_greedy and not needs_processing:
-            # The fast path: nothing else to do. Upcast first: torch's CPU argmax over
-            # bf16 is several times slower than the conversion plus an fp32 argmax.
-            sampled = logits.float().argmax(dim=-1)  # [B]
+            sampled = fast_argmax(logits)  # [B] — the fast path: nothing else to do
         else:
             # 2.-3. (without them, no copy: `_sample` works out of place on its input)
             x = process_logits(logits, metadata) if needs_processing else logits.float()
@@ -75,7 +73,7 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] float32 (maybe a strided view), not modified. Returns [B] int64."""
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [B]
+        greedy = None if metadata.all_random else fast_argmax(logits)  # [B]
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
@@ -113,7 +111,7 @@ class Sampler(torch.nn.Module):
         q = u.clamp_(_TINY, _ONE_BELOW).log_().neg_()  # [B, V], in (0, 88)
         # Masked tokens have probs == 0, so their score is 0, while the best allowed token
         # scores at least 1 / (V * 88) > 0: a masked token never wins.
-        return probs.div_(q).argmax(dim=-1)
+        return fast_argmax(probs.div_(q))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -242,3 +240,22 @@ def _gather_logprobs(
         logprobs=logprobs,
         sampled_token_ranks=ranks,
     )
+
+
+_ARGMAX_CHUNK = 128
+
+
+def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [B, V] (first index on ties), fast on CPU too.
+
+    torch's CPU argmax is a scalar loop (~1.4 ms for 64 x 32000, a tenth of a small model's
+    decode step); a vectorised max per chunk of 128, an argmax over the chunk maxima and one
+    within the winning chunk give the same index for a fraction of that.
+    """
+    if x.device.type != "cpu" or x.shape[-1] % _ARGMAX_CHUNK:
+        return x.float().argmax(dim=-1)
+    rows = x.shape[0]
+    chunks = x.float().view(rows, -1, _ARGMAX_CHUNK)  # [B, V / 128, 128]
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [B] first chunk holding the max
+    within = chunks[torch.arange(rows, device=x.device), best_chunk].argmax(dim=-1)  # [B]
+    return best_chunk * _ARGMAX_CHUNK + within

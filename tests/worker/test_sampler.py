@@ -440,3 +440,16 @@ def test_metadata_pads_penalty_tokens_with_vocab_size() -> None:
     assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
     assert metadata.prompt_token_ids.tolist() == [[1, 2], [V, V]]
     assert metadata.output_token_ids.tolist() == [[3], [V]]
+
+
+@pytest.mark.parametrize("vocab", [512, 1000, 32000])
+def test_fast_argmax_equals_argmax_first_index_on_ties(vocab: int) -> None:
+    from asyncengine.worker.sampler import fast_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(16, vocab, generator=g)
+    x[3, 7] = x[3, vocab - 2] = 50.0  # a tie: the first index wins
+    x[4, 200] = x[4, 130] = 60.0  # a tie inside and across chunks
+    for t in (x, x.bfloat16()):
+        assert torch.equal(fast_argmax(t), t.float().argmax(dim=-1))
+    assert fast_argmax(x)[3].item() == 7 and fast_argmax(x)[4].item() == 130
