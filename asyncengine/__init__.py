@@ -12,17 +12,21 @@ from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from asyncengine.client.async_llm import AsyncLLM
     from asyncengine.config import EngineConfig
     from asyncengine.entrypoints.llm import LLM
+    from asyncengine.ipc.messages import EngineStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
     "EngineStartupError",
+    "EngineStats",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -36,6 +40,15 @@ def __getattr__(name: str) -> Any:
         from asyncengine.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        # Client side only: no torch (the engine core is imported in its own process).
+        from asyncengine.client.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "EngineStats":
+        from asyncengine.ipc.messages import EngineStats
+
+        return EngineStats
     if name == "EngineConfig":
         from asyncengine.config import EngineConfig
 

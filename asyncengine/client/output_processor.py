@@ -110,6 +110,17 @@ class OutputProcessor:
                     core_ids.append(seq.core_id)
         return core_ids
 
+    def make_abort_output(self, request_id: str) -> RequestOutput | None:
+        """The final output of a request about to be aborted (call before abort_requests):
+        its unfinished sequences end with finish_reason "abort"."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return self._make_output(state, state.sequences, finished=True)
+
     def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
         now = time.monotonic()
         touched: dict[str, tuple[RequestState, list[SequenceState]]] = {}

@@ -8,6 +8,7 @@ no cycles); they are decoded with typed decoders, never pickled.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -53,8 +54,98 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A call of one of the core's utility methods (health check, stats, ...) by name."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a UtilityCall: its result, or the error it raised (as text)."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Every request's new tokens of one step, in one message."""
+    """Every request's new tokens of one step, in one message.
+
+    The same message carries a utility call's answer, and ENGINE_CORE_DEAD: `engine_dead`
+    holds the reason when the core is about to exit after a fatal error.
+    """
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    utility_output: UtilityResult | None = None
+    engine_dead: str | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A snapshot of the engine core: queues, KV blocks and prefix-cache hits."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_preemptions: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_cache_usage: float  # fraction of the KV blocks in use, 0..1
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+# ---- input frames: [request type (one byte), payload] -----------------------------------------
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """The first frame of every client → core message."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of core request ids
+    UTILITY = b"\x02"  # payload: UtilityCall
+    # Only inside the core: the executor's failure callback puts it on the input queue.
+    EXECUTOR_FAILED = b"\x03"
+
+
+# ---- startup handshake (a ROUTER socket bound by the client, a DEALER in the core) -----------
+
+
+class HandshakeHello(msgspec.Struct, tag=True, gc=False):
+    """Core → client, first thing after the process starts: it is alive."""
+
+    pid: int
+
+
+class HandshakeAddresses(msgspec.Struct, tag=True, gc=False):
+    """Client → core: where the request (input) and output sockets are bound."""
+
+    input_address: str
+    output_address: str
+
+
+class HandshakeReady(msgspec.Struct, tag=True, gc=False):
+    """Core → client: the model is loaded and the KV cache allocated; serving starts."""
+
+    num_kv_blocks: int
+    max_model_len: int
+
+
+class HandshakeFailed(msgspec.Struct, tag=True, gc=False):
+    """Core → client: start-up failed; `error` is the root cause, as text."""
+
+    error: str
+
+
+HandshakeMessage = HandshakeHello | HandshakeAddresses | HandshakeReady | HandshakeFailed

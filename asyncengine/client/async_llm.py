@@ -1,0 +1,422 @@
+"""AsyncLLM: the engine as an async library — one async generator per request.
+
+prompt → InputProcessor → EngineCoreRequest → EngineCoreClient → (core) → EngineCoreOutputs →
+output handler task → OutputProcessor → RequestOutput → RequestStream → `generate()`.
+
+`async with` owns everything: an anyio task group holding the output-handler and core-monitor
+tasks, and the core (a spawned process, or a thread). Leaving it aborts what is in flight,
+stops the core and joins every thread and process. Works on asyncio, uvloop and trio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+
+from asyncengine.client.core_client import EngineCoreClient, ProcCoreClient, ThreadCoreClient
+from asyncengine.client.input_processor import InputProcessor, Prompt
+from asyncengine.client.output_processor import OutputProcessor
+from asyncengine.client.stream import RequestStream
+from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.config import EngineConfig
+from asyncengine.errors import EngineDeadError
+from asyncengine.ipc.messages import EngineCoreOutputs, EngineStats, UtilityCall, UtilityResult
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CORE_KINDS = ("process", "thread")
+# After the core process dies, wait this long for its ENGINE_CORE_DEAD (it says why).
+_DEATH_REPORT_GRACE_S = 0.3
+
+
+@dataclass(slots=True)
+class _UtilityWaiter:
+    event: anyio.Event
+    result: UtilityResult | None = None
+    dead: str | None = None
+
+
+@dataclass(slots=True)
+class _State:
+    """Where the engine is in its life: new → running → (dead) → closed."""
+
+    started: bool = False
+    closing: bool = False
+    dead_error: EngineDeadError | None = None
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    utility_waiters: dict[int, _UtilityWaiter] = field(default_factory=dict)
+
+
+class AsyncLLM:
+    """An engine for async applications. Use it as an async context manager:
+
+    >>> async with AsyncLLM.from_pretrained("path/to/model") as engine:
+    ...     async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+    ...         print(out.outputs[0].text)
+
+    `core="process"` (default) runs the engine core in a spawned process; `core="thread"` runs
+    it in a background thread of this process (no sockets; for notebooks and tests).
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, core: str = "process", startup_timeout: float = 300.0
+    ) -> None:
+        if core not in CORE_KINDS:
+            raise ValueError(f"core={core!r} is invalid: must be one of {', '.join(CORE_KINDS)}")
+        if not startup_timeout > 0:
+            raise ValueError(f"startup_timeout={startup_timeout!r} is invalid: must be > 0")
+        self._config = config
+        self._core_kind = core
+        self._startup_timeout = float(startup_timeout)
+        self._state = _State()
+        self._call_ids = itertools.count()
+        self._tokenizer: Tokenizer | None = None
+        self._input_processor: InputProcessor | None = None
+        self._output_processor: OutputProcessor | None = None
+        self._core_client: EngineCoreClient | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._dead_event: anyio.Event | None = None  # set when the core is found dead
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        core: str = "process",
+        startup_timeout: float = 300.0,
+        **config: Any,
+    ) -> AsyncLLM:
+        """An engine for the local model folder `model`; start it with `async with`.
+
+        `config` takes EngineConfig's keywords (dtype, device, block_size, num_kv_blocks,
+        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
+        enable_prefix_caching, scheduling_policy, seed); a bad value raises ValueError here.
+        Start-up failures in the core raise EngineStartupError from `async with`.
+        """
+        return cls(
+            EngineConfig.from_kwargs(model, **config),
+            core=core,
+            startup_timeout=startup_timeout,
+        )
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncLLM:
+        if self._state.started:
+            raise RuntimeError("this AsyncLLM was already started; make a new one")
+        self._state.started = True
+        model_dir = self._config.model_config.model
+        client: EngineCoreClient
+        if self._core_kind == "process":
+            client = ProcCoreClient(self._config, self._startup_timeout)
+        else:
+            client = ThreadCoreClient(self._config)
+        self._core_client = client
+        try:
+            self._tokenizer = await anyio.to_thread.run_sync(Tokenizer, model_dir)
+            self._input_processor = InputProcessor(self._config.model_config, self._tokenizer)
+            self._output_processor = OutputProcessor(self._tokenizer)
+            await client.start()
+        except BaseException:
+            self._state.closing = True
+            await client.shutdown()
+            raise
+        self._dead_event = anyio.Event()
+        self._config = self._config.replace_cache(num_kv_blocks=client.num_kv_blocks)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._task_group = tg
+        tg.start_soon(self._output_handler, name="AsyncLLM output handler")
+        tg.start_soon(self._monitor_core, name="AsyncLLM core monitor")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Abort every request in flight, stop the core, join every thread and process.
+
+        Idempotent. Call it from the task that entered `async with` (which calls it anyway).
+        Streams still open raise EngineDeadError afterwards.
+        """
+        state = self._state
+        if state.closing or not state.started:
+            return
+        state.closing = True
+        # 1. Abort what is in flight; open streams and utility calls end with EngineDeadError.
+        assert self._output_processor is not None and self._core_client is not None
+        live = list(self._output_processor.requests)
+        if live and state.dead_error is None:
+            self._core_client.abort_requests_nowait(self._output_processor.abort_requests(live))
+        self._fail_everything("the engine was closed")
+        # 2. Stop the output handler and the monitor.
+        tg, self._task_group = self._task_group, None
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            # 3. Stop the core and join its threads and process (shielded).
+            await self._core_client.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs (shaped by `params.output_kind`) until it finishes.
+
+        Leaving the iterator early — break, cancellation, an exception — aborts the request in
+        the core and frees its KV blocks (use `contextlib.aclosing` to make that immediate on
+        `break`). ValueError for a bad request or a live duplicate `request_id`;
+        EngineDeadError if the engine is gone, or dies meanwhile.
+        """
+        stream = self._add_request(prompt, params, request_id, priority)
+        try:
+            while True:
+                output = await stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._abort_nowait(stream.request_id)
+
+    def _add_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int
+    ) -> RequestStream:
+        self._check_running()
+        ip, op, client = self._input_processor, self._output_processor, self._core_client
+        assert ip is not None and op is not None and client is not None
+        if request_id is not None and request_id in op.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        request_id, text, token_ids, params, core_requests = ip.process(
+            prompt, params, request_id=request_id, priority=priority
+        )
+        self._check_fits(len(token_ids), params)
+        op.add_request(
+            op.new_request_state(
+                request_id,
+                text,
+                token_ids,
+                params,
+                [r.request_id for r in core_requests],
+                core_requests[0].arrival_time,
+            )
+        )
+        stream = RequestStream(request_id, params.output_kind)
+        self._state.streams[request_id] = stream
+        for core_request in core_requests:
+            client.add_request_nowait(core_request)
+        return stream
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        # The core would refuse it anyway; refusing here gives the caller a ValueError.
+        cache = self._config.cache_config
+        assert self._core_client is not None
+        max_model_len = self._config.model_config.max_model_len
+        room = max_model_len - num_prompt_tokens
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocks = -(-(num_prompt_tokens + max_tokens) // cache.block_size)
+        total = self._core_client.num_kv_blocks
+        if blocks > total:
+            raise ValueError(
+                f"the request may need {blocks} KV blocks ({num_prompt_tokens} prompt + "
+                f"{max_tokens} new tokens) but the cache holds only {total}: lower max_tokens "
+                "or enlarge the KV cache"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with finish_reason "abort". Unknown ids: no-op."""
+        op = self._output_processor
+        if op is None or request_id not in op.requests:
+            return
+        final = op.make_abort_output(request_id)
+        stream = self._state.streams.get(request_id)
+        if stream is not None and final is not None:
+            stream.put(final)
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        self._state.streams.pop(request_id, None)
+        op, client = self._output_processor, self._core_client
+        if op is None or client is None:
+            return
+        core_ids = op.abort_requests([request_id])
+        if core_ids and self._state.dead_error is None and not self._state.closing:
+            client.abort_requests_nowait(core_ids)
+
+    # ---- utility calls -------------------------------------------------------------------
+
+    async def check_health(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """A round trip to the core: EngineDeadError if it is gone, TimeoutError if it does
+        not answer within `timeout` seconds (it is hung, or stuck in a very long step).
+
+        The timeout is part of what is checked, hence a parameter rather than a cancel scope.
+        """
+        try:
+            with anyio.fail_after(timeout):
+                await self._call_utility("check_health")
+        except TimeoutError:
+            raise TimeoutError(
+                f"the engine core did not answer a health check within {timeout} s"
+            ) from None
+
+    async def get_stats(self) -> EngineStats:
+        """Running/waiting requests, KV blocks used/total, prefix-cache hit rate."""
+        return msgspec.convert(await self._call_utility("get_stats"), EngineStats)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's contents; False if blocks are still in use."""
+        return bool(await self._call_utility("reset_prefix_cache"))
+
+    async def _call_utility(self, method: str, *args: Any) -> Any:
+        self._check_running()
+        assert self._core_client is not None
+        call_id = next(self._call_ids)
+        waiter = _UtilityWaiter(anyio.Event())
+        self._state.utility_waiters[call_id] = waiter
+        try:
+            self._core_client.call_utility_nowait(UtilityCall(call_id, method, list(args)))
+            await waiter.event.wait()
+        finally:
+            self._state.utility_waiters.pop(call_id, None)
+        if waiter.dead is not None:
+            raise EngineDeadError(waiter.dead)
+        assert waiter.result is not None
+        if waiter.result.error is not None:
+            raise RuntimeError(f"engine core {method}() failed: {waiter.result.error}")
+        return waiter.result.result
+
+    # ---- properties ----------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings (num_kv_blocks filled in once the core is ready)."""
+        return self._config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("the tokenizer is loaded when the engine starts (`async with`)")
+        return self._tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core is dead."""
+        return self._state.dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine core died, or None while it is alive."""
+        return self._state.dead_error
+
+    @property
+    def is_running(self) -> bool:
+        s = self._state
+        return s.started and not s.closing and s.dead_error is None and self._task_group is not None
+
+    def _check_running(self) -> None:
+        s = self._state
+        if s.dead_error is not None:
+            raise EngineDeadError(str(s.dead_error))
+        if s.closing:
+            raise EngineDeadError("the engine was closed")
+        if self._task_group is None:
+            raise RuntimeError(
+                "the engine is not started: use `async with AsyncLLM.from_pretrained(...) "
+                "as engine:`"
+            )
+
+    # ---- background tasks ----------------------------------------------------------------
+
+    async def _output_handler(self) -> None:
+        """Socket → OutputProcessor → per-request streams, until the core dies or we close."""
+        client, op = self._core_client, self._output_processor
+        assert client is not None and op is not None
+        try:
+            while True:
+                for outputs in await client.get_outputs():
+                    if outputs.engine_dead is not None:
+                        self._set_dead(f"the engine core died: {outputs.engine_dead}")
+                        return
+                    if outputs.utility_output is not None:
+                        self._resolve_utility(outputs.utility_output)
+                    if outputs.outputs:
+                        self._process_outputs(outputs)
+                # Let the streams' consumers run between batches.
+                await anyio.lowlevel.checkpoint()
+        except Exception as exc:  # a bug here must not leave streams waiting forever
+            logger.exception("AsyncLLM output handler failed")
+            self._set_dead(f"the output handler failed: {type(exc).__name__}: {exc}")
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        op, client = self._output_processor, self._core_client
+        assert op is not None and client is not None
+        processed = op.process_outputs(outputs)
+        streams = self._state.streams
+        for output in processed.request_outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+                if output.finished:
+                    del streams[output.request_id]
+        if processed.core_ids_to_abort:  # stop strings: the core still runs these sequences
+            client.abort_requests_nowait(processed.core_ids_to_abort)
+
+    def _resolve_utility(self, result: UtilityResult) -> None:
+        waiter = self._state.utility_waiters.get(result.call_id)
+        if waiter is not None:
+            waiter.result = result
+            waiter.event.set()
+
+    async def _monitor_core(self) -> None:
+        assert self._core_client is not None
+        reason = await self._core_client.wait_dead()
+        if self._state.closing:
+            return
+        # The output handler may still be reading the core's own ENGINE_CORE_DEAD report.
+        assert self._dead_event is not None
+        with anyio.move_on_after(_DEATH_REPORT_GRACE_S):
+            await self._dead_event.wait()
+        self._set_dead(reason)
+
+    def _set_dead(self, reason: str) -> None:
+        if self._state.dead_error is not None:
+            return
+        logger.error("AsyncLLM: %s", reason)
+        self._state.dead_error = EngineDeadError(reason)
+        if self._dead_event is not None:
+            self._dead_event.set()
+        self._fail_everything(reason)
+
+    def _fail_everything(self, reason: str) -> None:
+        for stream in self._state.streams.values():
+            stream.put_dead(reason)
+        self._state.streams.clear()
+        for waiter in self._state.utility_waiters.values():
+            if waiter.result is None:  # an answer that arrived before the death stands
+                waiter.dead = reason
+                waiter.event.set()

@@ -1,0 +1,404 @@
+"""EngineCoreClient: how AsyncLLM reaches its engine core, in another process or a thread.
+
+- ProcCoreClient: the core in a spawned process, over ZMQ (msgpack frames, ipc:// sockets in a
+  private 0700 directory). Sockets are driven from the event loop without zmq.asyncio, so every
+  anyio backend works: sends use NOBLOCK (a connecting PUSH socket queues, never blocks), and
+  receives await `anyio.wait_readable` on the socket's edge-triggered FD.
+- ThreadCoreClient: the same busy loop (EngineCoreLoop) in a background thread of this process,
+  with no sockets; outputs come back through a deque and a wake-up pipe.
+
+Methods named `*_nowait` never block and may be called from the event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import zmq
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.engine_core_proc import encode_config, run_engine_core
+from asyncengine.errors import EngineStartupError
+from asyncengine.ipc.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    HandshakeAddresses,
+    HandshakeFailed,
+    HandshakeHello,
+    HandshakeMessage,
+    HandshakeReady,
+    UtilityCall,
+)
+from asyncengine.ipc.serial import (
+    MsgpackEncoder,
+    RequestPayload,
+    encode_request,
+    handshake_decoder,
+    outputs_decoder,
+)
+from asyncengine.ipc.sockets import (
+    ipc_address,
+    make_private_socket_dir,
+    make_socket,
+    remove_socket_dir,
+)
+
+if TYPE_CHECKING:
+    from asyncengine.core.engine_core import EngineCore
+    from asyncengine.core.engine_core_proc import EngineCoreLoop
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_JOIN_S = 5.0  # terminate → join this long → kill
+_MAX_OUTPUTS_PER_BATCH = 64  # messages taken per get_outputs(), to keep the loop responsive
+
+
+class EngineCoreClient(ABC):
+    """The client's end of one engine core."""
+
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start the core and wait until it serves; EngineStartupError with the root cause."""
+
+    @abstractmethod
+    def add_request_nowait(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests_nowait(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def call_utility_nowait(self, call: UtilityCall) -> None:
+        """Send a utility call; its UtilityResult arrives among the outputs."""
+
+    @abstractmethod
+    async def get_outputs(self) -> list[EngineCoreOutputs]:
+        """Wait for outputs from the core and return every message that has arrived."""
+
+    @abstractmethod
+    async def wait_dead(self) -> str:
+        """Return, with a reason, when the core has died by itself (never on shutdown())."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the core and join every thread and process; idempotent, cancel-safe."""
+
+
+# ---- the core in a spawned process ------------------------------------------------------------
+
+
+class ProcCoreClient(EngineCoreClient):
+    def __init__(self, config: EngineConfig, startup_timeout: float) -> None:
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socket_dir = make_private_socket_dir()
+        self._handshake_address = ipc_address(self._socket_dir, "handshake")
+        self.input_address = ipc_address(self._socket_dir, "input")
+        self._output_address = ipc_address(self._socket_dir, "output")
+        self._handshake: zmq.Socket[bytes] | None = None
+        self._output: zmq.Socket[bytes] | None = None
+        self._input: zmq.Socket[bytes] | None = None
+        self._encoder = MsgpackEncoder()
+        self._shut_down = False
+
+    @property
+    def socket_dir(self) -> Path:
+        return self._socket_dir
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+            raise
+
+    async def _start(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        # 1. Bind the handshake and output sockets, then spawn the core.
+        self._handshake = make_socket(self._ctx, self._handshake_address, zmq.ROUTER, bind=True)
+        self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(
+            target=run_engine_core,
+            args=(encode_config(self.config), self._handshake_address),
+            name="AsyncEngineCore",
+        )
+        await anyio.to_thread.run_sync(self.proc.start)
+        # 2. HELLO → our addresses.
+        identity, hello = await self._recv_handshake(deadline)
+        if not isinstance(hello, HandshakeHello):
+            raise EngineStartupError(f"engine core sent {type(hello).__name__} before HELLO")
+        addresses = HandshakeAddresses(self.input_address, self._output_address)
+        self._handshake.send_multipart([identity, self._encoder.encode(addresses)])
+        # 3. READY (model loaded, KV cache allocated) or FAILED with the root cause.
+        _, message = await self._recv_handshake(deadline)
+        if isinstance(message, HandshakeFailed):
+            raise EngineStartupError(f"engine core failed to start: {message.error}")
+        if not isinstance(message, HandshakeReady):
+            raise EngineStartupError(f"engine core sent {type(message).__name__}, not READY")
+        self.num_kv_blocks = message.num_kv_blocks
+        self.max_model_len = message.max_model_len
+        self._handshake.close()
+        # 4. The core has bound its input socket: connect to it.
+        self._input = make_socket(self._ctx, self.input_address, zmq.PUSH, bind=False)
+
+    async def _recv_handshake(self, deadline: float) -> tuple[bytes, HandshakeMessage]:
+        sock, proc = self._handshake, self.proc
+        assert sock is not None and proc is not None
+        died_at: float | None = None
+        while True:
+            try:
+                identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                try:
+                    return identity, handshake_decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    raise EngineStartupError(f"malformed handshake message: {exc}") from exc
+            if _readable(sock):
+                continue
+            now = time.monotonic()
+            if not proc.is_alive():
+                # A FAILED message sent just before the exit may still be in flight.
+                died_at = died_at or now
+                if now - died_at > 0.5:
+                    raise EngineStartupError(
+                        f"engine core process exited during start-up ({_exit_desc(proc)}); "
+                        "see its log above for the cause"
+                    )
+            if now > deadline:
+                raise EngineStartupError(
+                    f"engine core did not become ready within {self.startup_timeout} s"
+                )
+            with anyio.move_on_after(min(0.1, deadline - now)):
+                await anyio.wait_readable(_fd(sock))
+
+    def _send(self, request_type: EngineCoreRequestType, payload: RequestPayload) -> None:
+        if self._input is None:
+            return  # shut down: nothing to send to
+        # A connecting PUSH socket with no high-water mark queues: NOBLOCK never fails here.
+        self._input.send_multipart(
+            encode_request(self._encoder, request_type, payload), zmq.NOBLOCK
+        )
+
+    def add_request_nowait(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def call_utility_nowait(self, call: UtilityCall) -> None:
+        self._send(EngineCoreRequestType.UTILITY, call)
+
+    async def get_outputs(self) -> list[EngineCoreOutputs]:
+        sock = self._output
+        assert sock is not None
+        fd = _fd(sock)
+        while True:
+            frames: list[bytes] = []
+            while len(frames) < _MAX_OUTPUTS_PER_BATCH:
+                try:
+                    frames.append(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            if frames:
+                return _decode_outputs(frames)
+            if _readable(sock):
+                continue
+            await anyio.wait_readable(fd)
+
+    async def wait_dead(self) -> str:
+        proc = self.proc
+        assert proc is not None
+        await anyio.wait_readable(proc.sentinel)
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        await anyio.to_thread.run_sync(proc.join, 1.0)
+        return f"engine core process (pid {proc.pid}) died: {_exit_desc(proc)}"
+
+    async def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        with anyio.CancelScope(shield=True):
+            for sock in (self._input, self._handshake):
+                if sock is not None:
+                    sock.close(linger=0)
+            self._input = None
+            if self.proc is not None and self.proc.pid is not None:
+                await anyio.to_thread.run_sync(_stop_process_tree, self.proc)
+            if self._output is not None:
+                self._output.close(linger=0)
+            self._ctx.term()
+            remove_socket_dir(self._socket_dir)
+
+
+def _fd(sock: zmq.Socket[bytes]) -> int:
+    """The socket's edge-triggered notification FD (readable when its events may have changed)."""
+    return int(sock.getsockopt(zmq.FD))
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    # Reading EVENTS also re-arms the FD's edge: check it before waiting again.
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _decode_outputs(frames: list[bytes]) -> list[EngineCoreOutputs]:
+    decoded = []
+    for frame in frames:
+        try:
+            decoded.append(outputs_decoder.decode(frame))
+        except msgspec.DecodeError as exc:
+            logger.warning("dropped a malformed frame from the engine core: %s", exc)
+    return decoded
+
+
+def _stop_process_tree(proc: multiprocessing.process.BaseProcess) -> None:
+    """terminate → join (5 s) → kill, for the core and every process it started."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(_SHUTDOWN_JOIN_S)
+    if proc.is_alive():
+        logger.warning("engine core did not stop within %.0f s: killing it", _SHUTDOWN_JOIN_S)
+        proc.kill()
+        proc.join(_SHUTDOWN_JOIN_S)
+    for child in children:
+        with contextlib.suppress(psutil.Error):  # already gone
+            child.kill()
+    psutil.wait_procs(children, timeout=_SHUTDOWN_JOIN_S)
+    proc.join(timeout=0)
+
+
+def _exit_desc(proc: multiprocessing.process.BaseProcess) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# ---- the core in a thread of this process -----------------------------------------------------
+
+
+class ThreadCoreClient(EngineCoreClient):
+    """EngineCoreLoop in a background thread: no sockets, no second process (notebooks, tests)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine_core: EngineCore | None = None
+        self._loop: EngineCoreLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._outputs: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._shut_down = False
+
+    async def start(self) -> None:
+        # The core pulls in torch: import it only when this client is used.
+        from asyncengine.core.engine_core import EngineCore
+        from asyncengine.core.engine_core_proc import EngineCoreLoop, _describe
+
+        try:
+            self.engine_core = await anyio.to_thread.run_sync(EngineCore, self.config)
+        except Exception as exc:
+            await self.shutdown()
+            raise EngineStartupError(f"engine core failed to start: {_describe(exc)}") from exc
+        self.num_kv_blocks = self.engine_core.num_kv_blocks
+        self.max_model_len = self.engine_core.config.model_config.max_model_len
+        self._loop = EngineCoreLoop(self.engine_core, self._emit)
+        self._thread = threading.Thread(target=self._run, name="AsyncEngineCore", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from asyncengine.core.engine_core_proc import _describe
+
+        assert self._loop is not None
+        try:
+            self._loop.run_busy_loop()
+        except BaseException as exc:
+            logger.exception("engine core failed")
+            self._emit(EngineCoreOutputs(engine_dead=_describe(exc)))
+
+    def _emit(self, outputs: EngineCoreOutputs) -> None:
+        # Called from the core's thread.
+        self._outputs.append(outputs)
+        # A full pipe means a wake-up is pending already; a closed one, that we shut down.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _put(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if self._loop is not None and not self._shut_down:
+            self._loop.input_queue.put((request_type, payload))
+
+    def add_request_nowait(self, request: EngineCoreRequest) -> None:
+        self._put(EngineCoreRequestType.ADD, request)
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._put(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def call_utility_nowait(self, call: UtilityCall) -> None:
+        self._put(EngineCoreRequestType.UTILITY, call)
+
+    async def get_outputs(self) -> list[EngineCoreOutputs]:
+        while True:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            batch: list[EngineCoreOutputs] = []
+            while self._outputs and len(batch) < _MAX_OUTPUTS_PER_BATCH:
+                batch.append(self._outputs.popleft())
+            if batch:
+                return batch
+            await anyio.wait_readable(self._wake_r)
+
+    async def wait_dead(self) -> str:
+        # The thread reports its own death with ENGINE_CORE_DEAD among the outputs.
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        with anyio.CancelScope(shield=True):
+            if self._loop is not None:
+                self._loop.shutdown_nowait()
+            if self._thread is not None:
+                await anyio.to_thread.run_sync(self._thread.join)
+            if self.engine_core is not None:
+                self.engine_core.shutdown()
+            os.close(self._wake_r)
+            os.close(self._wake_w)

@@ -1,0 +1,393 @@
+"""The engine core's busy loop, served from a spawned process (or a thread of the client).
+
+In the process, three threads share the work, so the loop never waits on a socket:
+
+    input IO thread:   input socket → RequestDecoder → input_queue
+    main thread:       busy loop: input_queue → EngineCore.step() → output_queue
+    output IO thread:  output_queue → msgpack (one reused buffer) → output socket
+
+The executor's failure callback puts EXECUTOR_FAILED on input_queue; the loop raises, the
+output thread sends ENGINE_CORE_DEAD (`EngineCoreOutputs.engine_dead`), and the process exits
+non-zero. SIGTERM and SIGINT shut it down cleanly; so does the death of its parent.
+
+This module imports no torch at the top: the client references `run_engine_core` when it
+spawns the process, and the core imports the heavy parts only after saying HELLO.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+import zmq
+
+from asyncengine.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineStats,
+    FinishReason,
+    HandshakeAddresses,
+    HandshakeFailed,
+    HandshakeHello,
+    HandshakeReady,
+    UtilityCall,
+    UtilityResult,
+)
+from asyncengine.ipc.serial import (
+    MalformedFrameError,
+    MsgpackEncoder,
+    RequestDecoder,
+    handshake_decoder,
+)
+from asyncengine.ipc.sockets import make_socket
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
+    from asyncengine.core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+# The core waits this long for the client's addresses after saying HELLO.
+HANDSHAKE_TIMEOUT_S = 30.0
+# Test-only utility methods (fault injection) are refused unless this is "1" in the core's
+# environment.
+TEST_HOOKS_ENV = "ASYNCENGINE_ENABLE_TEST_HOOKS"
+_IO_POLL_MS = 100  # IO threads look at their stop flag this often
+_OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CORE_DEAD
+
+_SHUTDOWN = object()  # on input_queue: leave the busy loop; on output_queue: stop the IO thread
+
+InputItem = tuple[EngineCoreRequestType, Any] | object
+Emit = Callable[[EngineCoreOutputs], None]
+
+
+class ExecutorFailedError(RuntimeError):
+    """The executor reported a failure through its callback: the core cannot go on."""
+
+
+class EngineCoreLoop:
+    """The busy loop around one EngineCore; transport-agnostic.
+
+    Requests arrive on `input_queue` as (EngineCoreRequestType, payload) pairs, or `_SHUTDOWN`;
+    every EngineCoreOutputs worth sending goes to `emit`. `run_busy_loop` returns on shutdown
+    and raises on a fatal error (the caller reports ENGINE_CORE_DEAD).
+    """
+
+    def __init__(self, engine_core: EngineCore, emit: Emit) -> None:
+        self.engine_core = engine_core
+        self.emit = emit
+        self.input_queue: queue.Queue[InputItem] = queue.Queue()
+        self.test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+        engine_core.executor.register_failure_callback(self._on_executor_failure)
+
+    def _on_executor_failure(self) -> None:
+        self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, None))
+
+    def shutdown_nowait(self) -> None:
+        """Ask the loop to return after the step in progress (thread-safe)."""
+        self.input_queue.put(_SHUTDOWN)
+
+    def run_busy_loop(self) -> None:
+        while True:
+            # 1. Block on input_queue while idle, then take everything that has arrived.
+            if not self._process_input_queue():
+                return
+            # 2. One step: schedule → execute → update (a no-op without requests).
+            outputs = self.engine_core.step()
+            # 3. Hand the step's outputs on.
+            if outputs.outputs:
+                self.emit(outputs)
+
+    def _process_input_queue(self) -> bool:
+        """Handle queued requests; False once SHUTDOWN is seen."""
+        # has_requests, not has_work: a finished-ids list alone must not keep the loop spinning.
+        block = not self.engine_core.scheduler.has_requests()
+        while True:
+            try:
+                item = self.input_queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is _SHUTDOWN:
+                return False
+            request_type, payload = cast("tuple[EngineCoreRequestType, Any]", item)
+            self._handle(request_type, payload)
+
+    def _handle(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if request_type is EngineCoreRequestType.ADD:
+            self._add_request(payload)
+        elif request_type is EngineCoreRequestType.ABORT:
+            self.engine_core.abort_requests(payload)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            self.emit(EngineCoreOutputs(utility_output=self._call_utility(payload)))
+        elif request_type is EngineCoreRequestType.EXECUTOR_FAILED:
+            raise ExecutorFailedError("the executor reported a failure of its workers")
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(request)
+        except ValueError as exc:
+            # The client validates first, so this is rare: finish the request, keep serving.
+            logger.warning("request %r refused: %s", request.request_id, exc)
+            refused = EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc)
+            )
+            self.emit(EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic()))
+
+    # ---- utility calls -------------------------------------------------------------------
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        method = getattr(self, f"_utility_{call.method}", None)
+        if method is None or (call.method.startswith("testing_") and not self.test_hooks):
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=method(*call.args))
+        except Exception as exc:
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _utility_check_health(self) -> None:
+        self.engine_core.executor.check_health()
+
+    def _utility_get_stats(self) -> EngineStats:
+        stats = self.engine_core.stats()
+        kv = stats.kv_cache
+        return EngineStats(
+            num_running_reqs=stats.num_running_reqs,
+            num_waiting_reqs=stats.num_waiting_reqs,
+            num_preemptions=stats.num_preemptions,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+    def _utility_reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # Test-only fault injection (refused unless ASYNCENGINE_ENABLE_TEST_HOOKS=1).
+
+    def _utility_testing_fail_next_step(self) -> None:
+        """The next execute_model raises, as a crashing model runner would."""
+        executor = self.engine_core.executor
+        original = executor.execute_model
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            executor.execute_model = original  # type: ignore[method-assign]
+            raise RuntimeError("injected model runner failure (test hook)")
+
+        executor.execute_model = failing  # type: ignore[method-assign]
+
+    def _utility_testing_notify_executor_failure(self) -> None:
+        """The executor reports a worker failure through its failure callbacks."""
+        self.engine_core.executor._notify_failure()
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+
+class EngineCoreProc:
+    """The busy loop plus its two IO threads, over ZMQ sockets."""
+
+    def __init__(
+        self, engine_core: EngineCore, ctx: zmq.Context[zmq.Socket[bytes]], addresses: Any
+    ) -> None:
+        self.ctx = ctx
+        self.output_queue: queue.Queue[EngineCoreOutputs | object] = queue.Queue()
+        self.loop = EngineCoreLoop(engine_core, self.output_queue.put)
+        self._stop_input = threading.Event()
+        # The input socket is bound here, before READY, so the client can connect to it at once.
+        self._input_socket = make_socket(ctx, addresses.input_address, zmq.PULL, bind=True)
+        self._output_address: str = addresses.output_address
+        self.input_thread = threading.Thread(
+            target=self._process_input_socket, name="EngineCoreInputIO", daemon=True
+        )
+        self.output_thread = threading.Thread(
+            target=self._process_output_socket, name="EngineCoreOutputIO", daemon=True
+        )
+
+    def run(self) -> None:
+        """Serve until shutdown; on a fatal error send ENGINE_CORE_DEAD and re-raise."""
+        self.input_thread.start()
+        self.output_thread.start()
+        try:
+            self.loop.run_busy_loop()
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            logger.exception("engine core failed")
+            self.output_queue.put(EngineCoreOutputs(engine_dead=_describe(exc)))
+            raise
+        finally:
+            self._stop_input.set()
+            self.output_queue.put(_SHUTDOWN)
+            self.input_thread.join(timeout=5)
+            self.output_thread.join(timeout=5)
+
+    def _process_input_socket(self) -> None:
+        sock = self._input_socket
+        decoder = RequestDecoder()
+        try:
+            while not self._stop_input.is_set():
+                if not sock.poll(_IO_POLL_MS):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                try:
+                    item = decoder.decode([f.buffer for f in frames])
+                except MalformedFrameError as exc:
+                    logger.warning("dropped a malformed frame on the input socket: %s", exc)
+                    continue
+                self.loop.input_queue.put(item)
+        finally:
+            sock.close(linger=0)
+
+    def _process_output_socket(self) -> None:
+        sock = make_socket(
+            self.ctx, self._output_address, zmq.PUSH, bind=False, linger_ms=_OUTPUT_LINGER_MS
+        )
+        encoder = MsgpackEncoder()
+        buffer = bytearray()  # reused: send() copies small messages out of it
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is _SHUTDOWN:
+                    return
+                encoder.encode_into(outputs, buffer)
+                sock.send(buffer)
+        finally:
+            sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out
+
+
+def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
+    """Entry point of the spawned engine-core process.
+
+    1. signals and the parent watch, 2. HELLO, then the client's addresses (with a timeout),
+    3. build the EngineCore (READY, or FAILED with the root cause), 4. serve until told to stop.
+    Exits 0 on a clean shutdown, non-zero after a failure.
+    """
+    _install_signal_handlers()
+    _start_parent_watch()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    handshake = make_socket(ctx, handshake_address, zmq.DEALER, bind=False, linger_ms=2000)
+    encoder = MsgpackEncoder()
+    engine_core: EngineCore | None = None
+    exit_code = 0
+    try:
+        handshake.send(encoder.encode(HandshakeHello(pid=os.getpid())))
+        addresses = _receive_addresses(handshake)
+        try:
+            engine_core = _build_engine_core(config_msg)
+            proc = EngineCoreProc(engine_core, ctx, addresses)
+        except Exception as exc:
+            logger.error("engine core failed to start: %s", _describe(exc))
+            handshake.send(encoder.encode(HandshakeFailed(error=_describe(exc))))
+            exit_code = 1
+            return
+        handshake.send(
+            encoder.encode(
+                HandshakeReady(
+                    num_kv_blocks=engine_core.num_kv_blocks,
+                    max_model_len=engine_core.config.model_config.max_model_len,
+                )
+            )
+        )
+        handshake.close()
+        proc.run()
+    except SystemExit as exc:
+        logger.info("engine core shutting down (%s)", exc)
+    except BaseException:
+        exit_code = 1
+    finally:
+        if engine_core is not None:
+            engine_core.shutdown()
+        handshake.close()
+        ctx.term()
+    # Everything is shut down explicitly above; skip the interpreter's slow teardown of torch
+    # (about a second), so that a shutdown takes milliseconds.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
+    if not handshake.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
+        raise TimeoutError(f"the client sent no addresses within {HANDSHAKE_TIMEOUT_S} s")
+    message = handshake_decoder.decode(handshake.recv())
+    if not isinstance(message, HandshakeAddresses):
+        raise TypeError(f"expected HandshakeAddresses, got {type(message).__name__}")
+    return message
+
+
+def _build_engine_core(config_msg: bytes) -> EngineCore:
+    from asyncengine.config import EngineConfig
+    from asyncengine.core.engine_core import EngineCore
+
+    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
+    return EngineCore(config)
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as the spawned process receives it (msgpack, not pickle)."""
+    return msgspec.msgpack.encode(config)
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and its root cause, with where the root cause was raised."""
+    root = exc
+    while root.__cause__ is not None or (
+        root.__context__ is not None and not root.__suppress_context__
+    ):
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    text = f"{type(exc).__name__}: {exc}"
+    if root is not exc:
+        text += f" (root cause: {type(root).__name__}: {root})"
+    frames = traceback.extract_tb(root.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" [at {os.path.basename(last.filename)}:{last.lineno} in {last.name}]"
+    return text
+
+
+def _install_signal_handlers() -> None:
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _start_parent_watch() -> None:
+    """Exit when the parent dies: no orphaned engine cores (vLLM issue #55510's bug class)."""
+    parent = multiprocessing.parent_process()
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        sentinel = parent.sentinel if parent is not None else None
+        while True:
+            if sentinel is not None:
+                if multiprocessing.connection.wait([sentinel], timeout=1.0):
+                    break
+            else:
+                time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                break
+        logger.warning("the engine core's parent process died: shutting down")
+        os.kill(os.getpid(), signal.SIGTERM)  # a clean shutdown in the main thread...
+        time.sleep(10.0)
+        os._exit(1)  # ...or, if it hangs, none
+
+    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
