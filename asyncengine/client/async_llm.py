@@ -216,16 +216,7 @@ class AsyncLLM:
             prompt, params, request_id=request_id, priority=priority
         )
         self._check_fits(len(token_ids), params)
-        op.add_request(
-            op.new_request_state(
-                request_id,
-                text,
-                token_ids,
-                params,
-                [r.request_id for r in core_requests],
-                core_requests[0].arrival_time,
-            )
-        )
+        op.add_request(op.new_request_state(request_id, text, token_ids, params, core_requests))
         stream = RequestStream(request_id, params.output_kind)
         self._state.streams[request_id] = stream
         for core_request in core_requests:

@@ -54,12 +54,7 @@ class LLMEngine:
             self.engine_core.abort_requests(added)
             raise
         state = self.output_processor.new_request_state(
-            request_id,
-            text,
-            token_ids,
-            params,
-            [r.request_id for r in core_requests],
-            core_requests[0].arrival_time,
+            request_id, text, token_ids, params, core_requests
         )
         self.output_processor.add_request(state)
         return request_id

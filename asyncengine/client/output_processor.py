@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 
 from asyncengine.client.detokenizer import IncrementalDetokenizer
 from asyncengine.client.tokenizer import Tokenizer
-from asyncengine.ipc.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsEntry
+from asyncengine.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LogprobsEntry,
+)
 from asyncengine.outputs import (
     CompletionOutput,
     Logprob,
@@ -73,19 +78,21 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        core_ids: list[str],
-        arrival_time: float,
+        core_requests: list[EngineCoreRequest],
     ) -> RequestState:
+        """The client-side state of a request whose sequences are `core_requests`."""
         sequences = [
             SequenceState(
                 index=i,
-                core_id=core_id,
+                core_id=core_request.request_id,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
             )
-            for i, core_id in enumerate(core_ids)
+            for i, core_request in enumerate(core_requests)
         ]
-        metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        metrics = RequestMetrics(
+            arrival_time=core_requests[0].arrival_time, num_prompt_tokens=len(prompt_token_ids)
+        )
         return RequestState(request_id, prompt, prompt_token_ids, params, sequences, metrics)
 
     def add_request(self, state: RequestState) -> None:
