@@ -39,7 +39,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None  # a string becomes a one-item list
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -107,11 +107,3 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise _bad(
                 "output_kind", self.output_kind, "must be CUMULATIVE, DELTA or FINAL_ONLY"
             ) from None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def all_stop_token_ids(self) -> list[int]:
-        return list(self.stop_token_ids or ())
