@@ -33,6 +33,7 @@ from asyncengine.errors import EngineDeadError
 from asyncengine.ipc.messages import EngineCoreOutputs, EngineStats, UtilityCall, UtilityResult
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.sched.request import check_fits_kv_cache, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -215,29 +216,21 @@ class AsyncLLM:
         request_id, text, token_ids, params, core_requests = ip.process(
             prompt, params, request_id=request_id, priority=priority
         )
-        self._check_fits(len(token_ids), params)
+        # The core would refuse it too, but asynchronously; refusing here raises in the caller.
+        model_config, cache_config = self._config.model_config, self._config.cache_config
+        check_fits_kv_cache(
+            request_id,
+            len(token_ids),
+            resolve_max_tokens(len(token_ids), params, model_config.max_model_len),
+            cache_config.block_size,
+            client.num_kv_blocks,
+        )
         op.add_request(op.new_request_state(request_id, text, token_ids, params, core_requests))
         stream = RequestStream(request_id, params.output_kind)
         self._state.streams[request_id] = stream
         for core_request in core_requests:
             client.add_request_nowait(core_request)
         return stream
-
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        # The core would refuse it anyway; refusing here gives the caller a ValueError.
-        cache = self._config.cache_config
-        assert self._core_client is not None
-        max_model_len = self._config.model_config.max_model_len
-        room = max_model_len - num_prompt_tokens
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        blocks = -(-(num_prompt_tokens + max_tokens) // cache.block_size)
-        total = self._core_client.num_kv_blocks
-        if blocks > total:
-            raise ValueError(
-                f"the request may need {blocks} KV blocks ({num_prompt_tokens} prompt + "
-                f"{max_tokens} new tokens) but the cache holds only {total}: lower max_tokens "
-                "or enlarge the KV cache"
-            )
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort". Unknown ids: no-op."""

@@ -51,9 +51,6 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_requests() or self.scheduler.has_finished_requests()
-
     def step(self) -> EngineCoreOutputs:
         """Run one batch: 1. schedule, 2. execute, 3. fold the sampled tokens back in."""
         if not self.scheduler.has_requests():

@@ -9,6 +9,29 @@ from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
 from asyncengine.sampling_params import SamplingParams
 
 
+def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """The output budget: max_tokens, or what max_model_len leaves (if smaller or unset)."""
+    room = max_model_len - num_prompt_tokens
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def check_fits_kv_cache(
+    request_id: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """ValueError when the request could outgrow the whole KV cache (it would never finish)."""
+    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"request {request_id!r} may need {needed} KV blocks ({num_prompt_tokens} prompt + "
+            f"{max_tokens} new tokens) but the cache holds only {num_blocks}: lower max_tokens "
+            "or enlarge the KV cache"
+        )
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -42,8 +65,7 @@ class Request:
         cls, req: EngineCoreRequest, eos_token_ids: tuple[int, ...], max_model_len: int
     ) -> Request:
         params = req.sampling_params
-        room = max_model_len - len(req.prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = resolve_max_tokens(len(req.prompt_token_ids), params, max_model_len)
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

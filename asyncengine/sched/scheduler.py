@@ -25,7 +25,7 @@ from asyncengine.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from asyncengine.sched.request import Request, RequestStatus
+from asyncengine.sched.request import Request, RequestStatus, check_fits_kv_cache
 from asyncengine.sched.request_queue import make_request_queue
 
 
@@ -70,14 +70,13 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
                 f"within max_model_len={self.config.max_model_len}"
             )
-        blocks_needed = -(-(request.num_prompt_tokens + request.max_tokens) // self.block_size)
-        total = self.kv_cache_manager.num_blocks
-        if blocks_needed > total:
-            raise ValueError(
-                f"request {request.request_id!r} may need {blocks_needed} KV blocks "
-                f"({request.num_prompt_tokens} prompt + {request.max_tokens} new tokens) but "
-                f"the cache holds only {total}: lower max_tokens or enlarge the KV cache"
-            )
+        check_fits_kv_cache(
+            request.request_id,
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.block_size,
+            self.kv_cache_manager.num_blocks,
+        )
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -102,9 +101,6 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         return bool(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids)
 
     # ---- one step ------------------------------------------------------------------------
 
