@@ -17,6 +17,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority")
+_EXECUTOR_BACKENDS = ("uni", "mp")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
 
 
@@ -36,6 +38,8 @@ class ModelConfig:
     hidden_size: int
     eos_token_ids: tuple[int, ...]
     seed: int
+    intermediate_size: int | None = None  # the MLP width, when the config names one
+    attention_backend: str = "torch"  # resolved: torch | triton
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,14 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many workers share the model, and how they are run."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # resolved: uni | mp
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every engine setting; each component receives only its own part."""
 
@@ -71,6 +83,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_kwargs(
@@ -88,6 +101,9 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        attention_backend: str = "auto",
     ) -> EngineConfig:
         """Validate the keywords and read the model's config; raises ValueError naming the field."""
         model_dir = Path(model).expanduser()
@@ -117,6 +133,18 @@ class EngineConfig:
                 f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False"
             )
         _check_int("seed", seed, 0)
+        _check_choice("attention_backend", attention_backend, _ATTENTION_BACKENDS)
+        _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        if distributed_executor_backend is None:
+            distributed_executor_backend = "uni" if tensor_parallel_size == 1 else "mp"
+        _check_choice(
+            "distributed_executor_backend", distributed_executor_backend, _EXECUTOR_BACKENDS
+        )
+        if distributed_executor_backend == "uni" and tensor_parallel_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but "
+                f"tensor_parallel_size={tensor_parallel_size}: use 'mp' for more than one"
+            )
 
         model_len_limit = _model_len_limit(hf)
         if max_model_len is None:
@@ -130,6 +158,10 @@ class EngineConfig:
                 )
 
         num_heads = int(hf["num_attention_heads"])
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        intermediate = hf.get("intermediate_size")
+        intermediate_size = int(intermediate) if isinstance(intermediate, int) else None
+        _check_tensor_parallel(tensor_parallel_size, num_heads, num_kv_heads, intermediate_size)
         model_config = ModelConfig(
             model=str(model_dir),
             architecture=_architecture(hf, model_dir),
@@ -138,11 +170,13 @@ class EngineConfig:
             vocab_size=int(hf["vocab_size"]),
             num_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            num_kv_heads=num_kv_heads,
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
             hidden_size=int(hf["hidden_size"]),
             eos_token_ids=_eos_token_ids(hf, model_dir),
             seed=seed,
+            intermediate_size=intermediate_size,
+            attention_backend=_resolve_attention_backend(attention_backend, resolved_device),
         )
         return cls(
             model_config=model_config,
@@ -159,6 +193,10 @@ class EngineConfig:
                 policy=scheduling_policy,
             ),
             device_config=DeviceConfig(device=resolved_device),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,
+            ),
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
@@ -176,6 +214,29 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 def _check_int(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+def _check_tensor_parallel(
+    tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None
+) -> None:
+    """Each rank takes whole attention heads and an equal slice of the MLP."""
+    for what, count in (
+        ("attention heads", num_heads),
+        ("KV heads", num_kv_heads),
+        ("MLP intermediate size", intermediate_size),
+    ):
+        if count is not None and count % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {what} ({count}): "
+                f"choose a tensor_parallel_size that divides {count}"
+            )
+
+
+def _resolve_attention_backend(backend: str, device: str) -> str:
+    """auto: the Triton kernels on CUDA, the torch reference on CPU."""
+    if backend != "auto":
+        return backend
+    return "triton" if device == "cuda" else "torch"
 
 
 def _read_hf_config(model_dir: Path) -> dict[str, Any]:

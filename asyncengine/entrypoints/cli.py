@@ -53,6 +53,17 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--seed", dict(dest="seed", type=int, metavar="S",
                     help="random seed of the engine, and of the request in `generate` "
                          "(default: 0)")),
+    ("--tensor-parallel-size", dict(dest="tensor_parallel_size", type=int, metavar="N",
+                                    help="worker processes the model is sharded over "
+                                         "(default: 1)")),
+    ("--distributed-executor-backend", dict(dest="distributed_executor_backend",
+                                            choices=("uni", "mp"),
+                                            help="uni: one worker in the engine core; mp: one "
+                                                 "process per rank (default: uni for one "
+                                                 "worker, mp for more)")),
+    ("--attention-backend", dict(dest="attention_backend", choices=("auto", "torch", "triton"),
+                                 help="paged attention implementation (default: auto, Triton "
+                                      "on CUDA, torch on CPU)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)
