@@ -134,7 +134,8 @@ class EngineCoreLoop:
         elif request_type is EngineCoreRequestType.UTILITY:
             self.emit(EngineCoreOutputs(utility_output=self._call_utility(payload)))
         elif request_type is EngineCoreRequestType.EXECUTOR_FAILED:
-            raise ExecutorFailedError("the executor reported a failure of its workers")
+            reason = self.engine_core.executor.failure_reason or "a worker failed"
+            raise ExecutorFailedError(f"the executor reported a failure: {reason}")
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         try:
@@ -190,6 +191,10 @@ class EngineCoreLoop:
             raise RuntimeError("injected model runner failure (test hook)")
 
         executor.execute_model = failing  # type: ignore[method-assign]
+
+    def _utility_testing_collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a worker method on every rank (e.g. the workers' own fault injection)."""
+        return self.engine_core.executor.collective_rpc(method, args=args, timeout=30.0)
 
     def _utility_testing_notify_executor_failure(self) -> None:
         """The executor reports a worker failure through its failure callbacks."""

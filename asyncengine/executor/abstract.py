@@ -20,12 +20,13 @@ class Executor(ABC):
     failure callback once; the engine core uses that to poison its input queue.
     """
 
-    max_concurrent_batches: int = 1
+    max_concurrent_batches: int = 1  # batches in flight at once; >1 needs non_block
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._failure_callbacks: list[FailureCallback] = []
         self.is_failed = False
+        self.failure_reason: str | None = None
         self._init_executor()
 
     @abstractmethod
@@ -38,10 +39,13 @@ class Executor(ABC):
         else:
             self._failure_callbacks.append(callback)
 
-    def _notify_failure(self) -> None:
+    def _notify_failure(self, reason: str = "a worker failed") -> None:
+        """Record the failure and call every registered callback, once (thread-safe enough:
+        only the first call does anything)."""
         if self.is_failed:
             return
         self.is_failed = True
+        self.failure_reason = reason
         callbacks, self._failure_callbacks = self._failure_callbacks, []
         for callback in callbacks:
             callback()

@@ -20,6 +20,7 @@ from asyncengine.sched.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingRequestState, build_sampling_metadata
 
@@ -45,9 +46,17 @@ class _BatchInputs:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.model_config = model_config
+        # Tensor parallel: this rank holds H_kv / tp KV heads; only the driver rank samples.
+        self.tp = tp
+        self.is_driver = tp is None or tp.is_driver
+        self.num_local_kv_heads = model_config.num_kv_heads // (tp.world_size if tp else 1)
         self.cache_config = cache_config
         self.device = device
         self.dtype: torch.dtype = getattr(torch, model_config.dtype)
@@ -59,17 +68,21 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
+        if self.tp is not None:
+            from asyncengine.model.tensor_parallel import shard_model
+
+            shard_model(self.model, self.tp.rank, self.tp.world_size, self.tp.all_reduce)
 
     # ---- KV cache ------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return mc.num_layers * 2 * self.block_size * self.num_local_kv_heads * mc.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (2, mc.num_kv_heads, num_blocks, self.block_size, mc.head_dim)
+        shape = (2, self.num_local_kv_heads, num_blocks, self.block_size, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
@@ -86,7 +99,8 @@ class ModelRunner:
         logits = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.positions,
-            logits_to_keep=batch.logits_indices,
+            # Only the driver rank samples: the others skip the lm_head entirely.
+            logits_to_keep=batch.logits_indices if self.is_driver else batch.logits_indices[:0],
             use_cache=False,
             asyncengine_attn=batch.attn,
         ).logits[0]  # [S, V]
@@ -162,16 +176,25 @@ class ModelRunner:
         sampled_by_req: dict[str, list[int]] = {}
         logprobs_by_req: dict[str, LogprobsEntry] = {}
         if batch.sample_req_ids:
+            out: SamplerOutput | None = None
+            sampled: list[int] | None = None
             states = [self.requests[r].sampling for r in batch.sample_req_ids]
-            metadata = build_sampling_metadata(states, self.model_config.vocab_size, logits.device)
-            out = self.sampler.forward(logits[:, : self.model_config.vocab_size], metadata)
-            sampled = out.sampled_token_ids.tolist()
+            if self.is_driver:
+                metadata = build_sampling_metadata(
+                    states, self.model_config.vocab_size, logits.device
+                )
+                out = self.sampler.forward(logits[:, : self.model_config.vocab_size], metadata)
+                sampled = out.sampled_token_ids.tolist()
+            if self.tp is not None:
+                # Every rank appends the driver's tokens, so the next step's inputs agree.
+                sampled = self.tp.broadcast_token_ids(sampled, len(batch.sample_req_ids))
+            assert sampled is not None
             for req_id, token_id in zip(batch.sample_req_ids, sampled, strict=True):
                 state = self.requests[req_id]
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 sampled_by_req[req_id] = [token_id]
-            if out.logprobs is not None:
+            if out is not None and out.logprobs is not None:
                 logprobs_by_req = _logprobs_entries(batch.sample_req_ids, states, out)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(

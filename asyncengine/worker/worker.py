@@ -1,14 +1,16 @@
-"""Worker: owns a device, the model runner and the KV cache memory."""
+"""Worker: owns a device, the model runner and the KV cache memory (of one TP rank)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunner
+from asyncengine.worker.parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -19,13 +21,20 @@ _CUDA_FREE_MEMORY_FRACTION = 0.85
 
 class Worker:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        tp: TensorParallelGroup | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
-        self.device = torch.device(device_config.device)
+        self.rank = tp.rank if tp is not None else 0
+        self.device = device if device is not None else torch.device(device_config.device)
         torch.manual_seed(model_config.seed)
-        self.model_runner = ModelRunner(model_config, cache_config, self.device)
+        self.model_runner = ModelRunner(model_config, cache_config, self.device, tp)
+        self._fail_next_step = False
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -58,7 +67,27 @@ class Worker:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._fail_next_step:
+            self._fail_next_step = False
+            raise RuntimeError(f"injected failure in worker rank {self.rank} (test hook)")
         return self.model_runner.execute_model(scheduler_output)
 
     def check_health(self) -> None:
         return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # Test-only fault injection; the executor refuses `testing_*` calls unless
+    # ASYNCENGINE_ENABLE_TEST_HOOKS=1.
+
+    def testing_fail_next_step(self, rank: int) -> None:
+        """The next execute_model on `rank` raises, as a crashing model would."""
+        if rank == self.rank:
+            self._fail_next_step = True
+
+    def testing_sleep(self, seconds: float) -> None:
+        """Block this worker, as a hung one would (for collective_rpc timeouts)."""
+        import time
+
+        time.sleep(seconds)

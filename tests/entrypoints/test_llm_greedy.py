@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.testing import transformers_greedy
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -32,23 +33,7 @@ def _shared_prefix_prompts() -> list[list[int]]:
 
 
 def _reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=3,
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return transformers_greedy(model_dir, prompts, NEW_TOKENS)
 
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

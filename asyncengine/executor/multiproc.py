@@ -1,0 +1,263 @@
+"""MultiprocExecutor: one spawned worker process per tensor-parallel rank.
+
+    engine core ──ExecuteModel / RpcCall──► PUSH socket per rank ──► worker rank r
+    engine core ◄──ExecuteResult / RpcResult / WorkerFailure── one PULL socket ◄── every rank
+
+A step's SchedulerOutput is encoded once (msgpack) and the same bytes go to every rank; only
+rank 0 answers a step (the others answer only when it fails). Calls are made from one thread
+(the engine core's busy loop), one at a time. Waiting for an answer also watches the
+WorkerMonitor, so a dead worker turns into an error within a poll interval, never a hang.
+
+This module imports no torch: the engine-core process only routes messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from asyncengine.executor.abstract import Executor
+from asyncengine.executor.messages import (
+    ExecuteModel,
+    ExecuteResult,
+    FromWorker,
+    InitDistributed,
+    RpcCall,
+    RpcResult,
+    Shutdown,
+    WorkerFailure,
+    WorkerHello,
+    WorkerReady,
+    from_worker_decoder,
+)
+from asyncengine.executor.worker_monitor import WorkerMonitor
+from asyncengine.executor.worker_proc import run_worker
+from asyncengine.ipc.sockets import (
+    ipc_address,
+    make_private_socket_dir,
+    make_socket,
+    remove_socket_dir,
+)
+from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50  # how often a wait looks at the monitor
+_STARTUP_TIMEOUT_S = 300.0  # loading and sharding a large model takes a while
+_SHUTDOWN_JOIN_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A call raised inside a worker; the message carries the worker's traceback text."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the executor was waiting on it."""
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.world_size = self.config.parallel_config.tensor_parallel_size
+        self._lock = threading.Lock()  # one call in flight at a time
+        self._next_id = 0
+        self._closed = False
+        self._death: str | None = None
+        self._broken = False  # a step failed: the other ranks may never answer again
+        self._procs: list[BaseProcess] = []
+        self._monitor: WorkerMonitor | None = None
+        self._async_pool: ThreadPoolExecutor | None = None
+        self._socket_dir = make_private_socket_dir()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._results = make_socket(
+            self._ctx, ipc_address(self._socket_dir, "results"), zmq.PULL, bind=True
+        )
+        self._inboxes: list[zmq.Socket[bytes]] = []
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- startup -------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        """1. spawn the ranks, 2. HELLOs (rank 0 names the store port), 3. InitDistributed,
+        4. WorkerReady from every rank (the model is loaded and sharded)."""
+        from asyncengine.core.engine_core_proc import encode_config
+
+        config_msg = encode_config(self.config)
+        spawn = multiprocessing.get_context("spawn")
+        results_address = ipc_address(self._socket_dir, "results")
+        for rank in range(self.world_size):
+            address = ipc_address(self._socket_dir, f"worker-{rank}")
+            self._inboxes.append(make_socket(self._ctx, address, zmq.PUSH, bind=True))
+            proc = spawn.Process(
+                target=run_worker,
+                args=(rank, self.world_size, config_msg, address, results_address),
+                name=f"AsyncEngineWorker-{rank}",
+                # daemon: if the owner exits without shutdown(), multiprocessing still stops us.
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+        self._monitor = WorkerMonitor(self._procs, self._on_worker_death)
+        self._monitor.start()
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        hellos = [self._recv(WorkerHello, -1, deadline) for _ in range(self.world_size)]
+        port = next(h.store_port for h in hellos if h.rank == 0)
+        assert port is not None, "rank 0 opens the rendezvous store"
+        self._broadcast(self._encoder.encode(InitDistributed(port)))
+        for _ in range(self.world_size):
+            self._recv(WorkerReady, -1, deadline)
+        logger.info(
+            "%d workers ready: pids %s", self.world_size, ", ".join(str(h.pid) for h in hellos)
+        )
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        with self._lock:
+            call_id = self._new_id()
+            self._broadcast(
+                self._encoder.encode(RpcCall(call_id, method, list(args), kwargs or {}))
+            )
+            deadline = None if timeout is None else time.monotonic() + timeout
+            results: dict[int, Any] = {}
+            while len(results) < self.world_size:
+                try:
+                    reply = self._recv(RpcResult, call_id, deadline)
+                except TimeoutError:
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    raise TimeoutError(
+                        f"collective_rpc({method!r}) timed out after {timeout} s waiting for "
+                        f"worker ranks {missing}"
+                    ) from None
+                results[reply.rank] = reply.result
+            return [results[rank] for rank in range(self.world_size)]
+
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if not non_block:
+            return self._execute(scheduler_output)
+        if self._async_pool is None:
+            self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="ExecuteModel")
+        return self._async_pool.submit(self._execute, scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self._lock:
+            step_id = self._new_id()
+            self._broadcast(self._encoder.encode(ExecuteModel(step_id, scheduler_output)))
+            result: ExecuteResult = self._recv(ExecuteResult, step_id, None)
+            return result.output
+
+    def check_health(self) -> None:
+        if self._death is not None:
+            raise WorkerDiedError(self._death)
+        self.collective_rpc("check_health", timeout=10.0)
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _broadcast(self, frame: bytes) -> None:
+        if self._death is not None:
+            raise WorkerDiedError(self._death)
+        for inbox in self._inboxes:
+            inbox.send(frame, copy=False)
+
+    def _recv(self, kind: type[Any], call_id: int, deadline: float | None) -> Any:
+        """The next `kind` answer to `call_id`; raises a worker's failure, a death, or
+        TimeoutError at `deadline`. Answers to earlier (timed-out) calls are dropped."""
+        while True:
+            if self._death is not None:
+                raise WorkerDiedError(self._death)
+            wait_ms = _POLL_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                wait_ms = min(wait_ms, max(1, int(left * 1000)))
+            if not self._results.poll(wait_ms):
+                continue
+            message: FromWorker = from_worker_decoder.decode(self._results.recv(copy=False).buffer)
+            if isinstance(message, WorkerFailure) and message.call_id == call_id:
+                if kind is ExecuteResult:
+                    # The other ranks may be stuck in a collective with the failed one.
+                    self._broken = True
+                raise WorkerError(
+                    f"worker rank {message.rank} failed: {message.error}\n"
+                    f"worker traceback:\n{message.traceback}"
+                )
+            if _answers(message, kind, call_id):
+                return message
+            logger.debug("dropping a stale %s", type(message).__name__)
+
+    def _on_worker_death(self, reason: str) -> None:
+        self._death = f"worker process failure: {reason}"
+        self._notify_failure(self._death)
+
+    # ---- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Shutdown message → join → terminate → join → kill, then close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.stop()
+        for inbox in self._inboxes:
+            with contextlib.suppress(zmq.ZMQError):  # a closed peer: it is exiting anyway
+                inbox.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+        grace = 0.5 if self._broken or self._death is not None else _SHUTDOWN_JOIN_S
+        deadline = time.monotonic() + grace
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        # A rank blocked inside a collective runs no Python signal handler: don't wait long.
+        deadline = time.monotonic() + grace
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning(
+                    "worker %s (pid %s) ignored SIGTERM: killing it", proc.name, proc.pid
+                )
+                proc.kill()
+                proc.join(timeout=1.0)
+        if self._async_pool is not None:
+            self._async_pool.shutdown(wait=False, cancel_futures=True)
+        for sock in (*self._inboxes, self._results):
+            sock.close(linger=0)
+        self._ctx.term()
+        remove_socket_dir(self._socket_dir)
+
+
+def _answers(message: FromWorker, kind: type[Any], call_id: int) -> bool:
+    """Is `message` the `kind` of answer to `call_id`? (Startup answers name no call.)"""
+    if not isinstance(message, kind):
+        return False
+    if isinstance(message, ExecuteResult):
+        return message.step_id == call_id
+    if isinstance(message, RpcResult):
+        return message.call_id == call_id
+    return True

@@ -1,0 +1,215 @@
+"""The body of one tensor-parallel worker process, spawned by MultiprocExecutor.
+
+1. signals, the parent watch and a log prefix naming the rank and pid;
+2. connect to the executor, say WorkerHello (rank 0 first opens the rendezvous store);
+3. on InitDistributed: join the process group, load and shard the model, say WorkerReady;
+4. serve ExecuteModel and RpcCall messages until Shutdown, answering each failure with its
+   traceback text (the executor raises it in the caller).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from asyncengine.executor.messages import (
+    ExecuteModel,
+    ExecuteResult,
+    InitDistributed,
+    RpcCall,
+    RpcResult,
+    Shutdown,
+    WorkerFailure,
+    WorkerHello,
+    WorkerReady,
+    to_worker_decoder,
+)
+from asyncengine.ipc.sockets import make_socket
+
+if TYPE_CHECKING:
+    from asyncengine.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+TEST_HOOKS_ENV = "ASYNCENGINE_ENABLE_TEST_HOOKS"
+LOG_LEVEL_ENV = "ASYNCENGINE_WORKER_LOG_LEVEL"
+_STARTUP_TIMEOUT_S = 120.0  # waiting for InitDistributed
+
+
+def run_worker(
+    rank: int, world_size: int, config_msg: bytes, to_worker: str, from_worker: str
+) -> None:
+    """Entry point of a spawned worker process; exits 0 after Shutdown, 1 after a failure."""
+    _setup_logging(rank)
+    _install_signal_handlers()
+    _start_parent_watch(rank)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    inbox = make_socket(ctx, to_worker, zmq.PULL, bind=False)
+    outbox = make_socket(ctx, from_worker, zmq.PUSH, bind=False, linger_ms=2000)
+    encoder = msgspec.msgpack.Encoder()
+    exit_code = 0
+    try:
+        worker = _start(rank, world_size, config_msg, inbox, outbox, encoder)
+        _serve(worker, rank, inbox, outbox, encoder)
+    except SystemExit as exc:
+        logger.info("worker shutting down (%s)", exc)
+    except BaseException as exc:
+        logger.error("worker failed: %s", exc)
+        outbox.send(encoder.encode(_failure(rank, -1, exc)))
+        exit_code = 1
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+    # The process group's teardown can block on dead peers; everything of ours is closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _start(
+    rank: int,
+    world_size: int,
+    config_msg: bytes,
+    inbox: zmq.Socket[bytes],
+    outbox: zmq.Socket[bytes],
+    encoder: msgspec.msgpack.Encoder,
+) -> Worker:
+    import torch
+
+    from asyncengine.config import EngineConfig
+    from asyncengine.worker.parallel import create_store, join_group
+    from asyncengine.worker.worker import Worker
+
+    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
+    # Each rank gets its share of the cores; more threads than cores only contend.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // world_size))
+    store = create_store(rank, world_size, 0) if rank == 0 else None
+    outbox.send(
+        encoder.encode(WorkerHello(rank, os.getpid(), store.port if store is not None else None))
+    )
+    if not inbox.poll(int(_STARTUP_TIMEOUT_S * 1000)):
+        raise TimeoutError(f"no InitDistributed from the executor in {_STARTUP_TIMEOUT_S} s")
+    init = to_worker_decoder.decode(inbox.recv())
+    if isinstance(init, Shutdown):
+        raise SystemExit("shut down during startup")
+    if not isinstance(init, InitDistributed):
+        raise TypeError(f"expected InitDistributed, got {type(init).__name__}")
+    if store is None:
+        store = create_store(rank, world_size, init.store_port)
+    device = torch.device(config.device_config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    tp = join_group(rank, world_size, store, device)
+    worker = Worker(config.model_config, config.cache_config, config.device_config, tp, device)
+    worker.load_model()
+    outbox.send(encoder.encode(WorkerReady(rank)))
+    return worker
+
+
+def _serve(
+    worker: Worker,
+    rank: int,
+    inbox: zmq.Socket[bytes],
+    outbox: zmq.Socket[bytes],
+    encoder: msgspec.msgpack.Encoder,
+) -> None:
+    test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+    buffer = bytearray()  # reused for every reply
+    while True:
+        message = to_worker_decoder.decode(inbox.recv(copy=False).buffer)
+        reply: Any
+        if isinstance(message, ExecuteModel):
+            try:
+                output = worker.execute_model(message.scheduler_output)
+            except Exception as exc:
+                reply = _failure(rank, message.step_id, exc)
+            else:
+                if rank != 0:
+                    continue  # only the driver's output is used
+                reply = ExecuteResult(rank, message.step_id, output)
+        elif isinstance(message, RpcCall):
+            reply = _rpc(worker, rank, message, test_hooks)
+        elif isinstance(message, Shutdown):
+            return
+        else:
+            logger.warning("ignoring unexpected %s", type(message).__name__)
+            continue
+        encoder.encode_into(reply, buffer)
+        outbox.send(buffer)
+
+
+def _rpc(worker: Worker, rank: int, call: RpcCall, test_hooks: bool) -> RpcResult | WorkerFailure:
+    method = getattr(worker, call.method, None)
+    if (
+        method is None
+        or call.method.startswith("_")
+        or (call.method.startswith("testing_") and not test_hooks)
+    ):
+        exc = AttributeError(f"the worker has no method {call.method!r}")
+        return _failure(rank, call.call_id, exc)
+    try:
+        return RpcResult(rank, call.call_id, method(*call.args, **call.kwargs))
+    except Exception as exc:
+        return _failure(rank, call.call_id, exc)
+
+
+def _failure(rank: int, call_id: int, exc: BaseException) -> WorkerFailure:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return WorkerFailure(rank, call_id, f"{type(exc).__name__}: {exc}", text)
+
+
+def _setup_logging(rank: int) -> None:
+    """Every log line of this process says which rank and pid it comes from."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(
+            f"(worker rank={rank} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s"
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
+
+
+def _install_signal_handlers() -> None:
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine core, which stops us
+
+
+def _start_parent_watch(rank: int) -> None:
+    """Exit at once when the engine core (our parent) dies: no orphaned workers."""
+    parent = multiprocessing.parent_process()
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        sentinel = parent.sentinel if parent is not None else None
+        while True:
+            if sentinel is not None:
+                if multiprocessing.connection.wait([sentinel], timeout=1.0):
+                    break
+            else:
+                time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                break
+        logger.warning("worker rank %d: the engine core died; exiting", rank)
+        os._exit(1)  # a worker holds nothing that needs a clean shutdown
+
+    threading.Thread(target=watch, name=f"WorkerParentWatch-{rank}", daemon=True).start()

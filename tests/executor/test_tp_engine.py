@@ -1,0 +1,140 @@
+"""Tensor parallelism behind AsyncLLM: a dead or failing worker reaches every stream as
+EngineDeadError within a second, and no engine or worker process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
+from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.core.engine_core_proc import TEST_HOOKS_ENV
+from asyncengine.ipc.messages import UtilityCall
+from asyncengine.testing.processes import assert_gone, child_pids
+
+pytestmark = pytest.mark.timeout(120)
+
+TP_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, tensor_parallel_size=2)
+LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+
+def _worker_pids(engine: AsyncLLM) -> list[int]:
+    client = engine._core_client
+    assert isinstance(client, ProcCoreClient) and client.proc is not None
+    core = psutil.Process(client.proc.pid)
+    workers = [p.pid for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(workers) == 2, workers
+    return workers
+
+
+async def _fail_while_streaming(
+    engine: AsyncLLM, fail: Callable[[], None]
+) -> tuple[list[str], float]:
+    """Open 3 streams, call `fail` once all have output; each stream's error text, and the
+    seconds from `fail` to the last stream's error."""
+    errors: list[str] = []
+    streaming = 0
+    all_streaming = anyio.Event()
+    failed_at = last_error_at = 0.0
+
+    async def consume(i: int) -> None:
+        nonlocal streaming, last_error_at
+        first = True
+        try:
+            async for _ in engine.generate(f"hello {i}", LONG):
+                if first:
+                    first, streaming = False, streaming + 1
+                    if streaming == 3:
+                        all_streaming.set()
+        except EngineDeadError as exc:
+            errors.append(str(exc))
+            last_error_at = time.monotonic()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(consume, i)
+            await all_streaming.wait()
+            failed_at = time.monotonic()
+            fail()
+    return errors, last_error_at - failed_at
+
+
+async def test_sigkill_of_a_worker_reaches_every_stream(tiny_llama: Path) -> None:
+    before = child_pids()
+    async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
+        victim = _worker_pids(engine)[1]
+        errors, delay = await _fail_while_streaming(engine, lambda: os.kill(victim, signal.SIGKILL))
+        assert len(errors) == 3
+        assert delay < 1.0, f"streams learnt of the death after {delay:.2f} s"
+        assert f"pid {victim}) died with exit code -9" in errors[0]
+        with pytest.raises(EngineDeadError):
+            await engine.generate("hello", LONG).__anext__()
+    assert_gone(child_pids() - before)
+
+
+async def test_an_exception_in_a_worker_reaches_the_client(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TEST_HOOKS_ENV, "1")  # inherited by the core and its workers
+    before = child_pids()
+    async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
+        client = engine._core_client
+        assert isinstance(client, ProcCoreClient)
+        errors, delay = await _fail_while_streaming(
+            engine,
+            lambda: client.call_utility_nowait(
+                UtilityCall(10_000, "testing_collective_rpc", ["testing_fail_next_step", 1])
+            ),
+        )
+        assert len(errors) == 3 and delay < 1.0
+        assert "injected failure in worker rank 1" in errors[0]
+    assert_gone(child_pids() - before)
+
+
+async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
+    before = child_pids()
+    async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
+        workers = _worker_pids(engine)
+        client = engine._core_client
+        assert isinstance(client, ProcCoreClient) and client.proc is not None
+        assert client.proc.pid is not None
+        killed_at = time.monotonic()
+        os.kill(client.proc.pid, signal.SIGKILL)
+        # No orphans: each worker watches its parent and exits when it dies.
+        assert_gone(set(workers), timeout=5.0)
+        print(f"workers gone {time.monotonic() - killed_at:.2f} s after the core's SIGKILL")
+        with anyio.fail_after(5), pytest.raises(EngineDeadError):
+            async for _ in engine.generate("hello", LONG):
+                pass
+    assert_gone(child_pids() - before)
+
+
+async def test_two_tp_engines_side_by_side(tiny_llama: Path) -> None:
+    before = child_pids()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    results: dict[int, list[int]] = {}
+
+    async def run(i: int, engine: AsyncLLM) -> None:
+        async for out in engine.generate("the same prompt", greedy):
+            results[i] = out.outputs[0].token_ids
+
+    # Each engine's process group rendezvous on a port its rank 0 got from the OS.
+    async with (
+        AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as a,
+        AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as b,
+    ):
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, 0, a)
+                tg.start_soon(run, 1, b)
+        assert len(results[0]) == 16 and results[0] == results[1]
+        assert not a.errored and not b.errored
+    assert_gone(child_pids() - before)
