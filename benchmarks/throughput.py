@@ -45,8 +45,10 @@ from benchmarks.workload import (
     workload_for_model,
 )
 
-ENGINES = ("asyncengine", "hf-static", "hf-cb")
+ENGINES = ("asyncengine", "hf-static", "hf-cb", "asyncengine-tp1")
 BASELINES = ("hf-static", "hf-cb")
+# With --tensor-parallel-size N > 1, asyncengine at TP=1 runs too, as the peer TP is judged by.
+TP1_ENGINE = "asyncengine-tp1"
 REFERENCE_ENGINE = "hf-static"  # greedy outputs are compared with this engine's
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -74,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
+    if args.tensor_parallel_size > 1 and "asyncengine" in engines and TP1_ENGINE not in engines:
+        engines.append(TP1_ENGINE)
+    baselines = (*BASELINES, TP1_ENGINE) if TP1_ENGINE in engines else BASELINES
     models = args.model or ["a"]
 
     folders: dict[str, Path] = {}
@@ -137,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         render_table(
             results,
-            BASELINES,
+            baselines,
             extra_columns=[
                 ("best tok/s", "best_tok_per_s"),
                 (f"identical to {REFERENCE_ENGINE}", "identical"),
@@ -250,7 +255,7 @@ def _describe_run(args: argparse.Namespace) -> str:
         f"tokens each (EOS ignored), bf16; output tok/s of the median of {args.repeats} "
         f"repeats x {args.rounds} round(s); {os.cpu_count()} CPUs; "
         f"tensor_parallel_size={args.tensor_parallel_size} "
-        "(asyncengine only)."
+        f"(asyncengine only; {TP1_ENGINE} is asyncengine at 1)."
     )
 
 
@@ -270,6 +275,7 @@ def _child_main(args: argparse.Namespace) -> int:
     warmup = warmup_workload_for_model(folder)
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "asyncengine": _run_asyncengine,
+        TP1_ENGINE: _run_asyncengine,
         "hf-static": _run_hf_static,
         "hf-cb": _run_hf_cb,
     }
@@ -324,7 +330,7 @@ def _run_asyncengine(
     from asyncengine import LLM, SamplingParams
 
     config: dict[str, Any] = {"dtype": workload.dtype}
-    if args.tensor_parallel_size != 1:
+    if args.tensor_parallel_size != 1 and args.child != TP1_ENGINE:
         config["tensor_parallel_size"] = args.tensor_parallel_size
     start = time.perf_counter()
     llm = LLM(str(folder), **config)

@@ -144,3 +144,12 @@ def test_shutdown_stops_every_worker_and_logs_name_the_rank(
     ex.shutdown()  # idempotent
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in procs)
     assert not ex.is_failed  # an orderly shutdown is not a failure
+
+
+def test_execute_model_non_block_returns_a_future(executor: MultiprocExecutor) -> None:
+    from asyncengine.sched.output import SchedulerOutput
+
+    empty = SchedulerOutput([], [], {}, 0, [])
+    future = executor.execute_model(empty, non_block=True)
+    assert future.result(timeout=10).req_ids == []
+    assert executor.execute_model(empty).req_ids == []
