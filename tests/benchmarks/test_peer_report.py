@@ -1,0 +1,115 @@
+"""The peers harness's report code: merging runs, vLLM's better setting, ratios, tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.peer_report import (
+    FIGURE_HEADER,
+    RATIO_HEADER,
+    TARGETS,
+    best_vllm,
+    figure_rows,
+    markdown_table,
+    merge_runs,
+    ratio_rows,
+)
+from benchmarks.peer_runner import _stream_stats
+
+
+def _stream(tok_s: float, ttft: float, itl: float) -> dict[str, object]:
+    return {
+        "tok_s": tok_s,
+        "ttft_ms": {"p50": ttft, "p99": ttft * 2},
+        "itl_ms": {"p50": itl, "p99": itl * 3},
+    }
+
+
+def _results() -> list:
+    ours = merge_runs(
+        "asyncengine",
+        "a",
+        [
+            {"ready_s": 2.0, "offline_seconds": [1.0, 2.0, 4.0], "num_output_tokens": 4000,
+             "rss_tree_mb": 900.0},
+            {"ready_s": 2.5, "1": _stream(300, 8, 3.0), "64": _stream(5000, 100, 12),
+             "rss_tree_mb": 950.0},
+        ],
+    )  # fmt: skip
+    v1 = merge_runs(
+        "vllm-1t",
+        "a",
+        [
+            {"ready_s": 20.0, "offline_seconds": [2.0], "num_output_tokens": 4000,
+             "rss_tree_mb": 3000.0},
+            {"1": _stream(400, 9, 2.5), "64": _stream(3000, 300, 15), "rss_tree_mb": 3100.0},
+        ],
+    )  # fmt: skip
+    v2 = merge_runs(
+        "vllm-2t",
+        "a",
+        [
+            {"ready_s": 25.0, "offline_seconds": [1.6], "num_output_tokens": 4000},
+            {"1": _stream(450, 7, 2.0), "64": _stream(3500, 250, 14)},
+        ],
+    )
+    return [ours, v1, v2]
+
+
+def test_merge_keeps_the_offline_ready_time_and_the_largest_memory() -> None:
+    ours = _results()[0]
+    assert ours.ready_s == 2.0  # the constructor of the offline run, not from_pretrained
+    assert ours.offline_tok_s == pytest.approx(4000 / 2.0)  # the median run
+    assert ours.rss_mb == 950.0
+    assert ours.async_tok_s(64) == 5000 and ours.async_tok_s(16) is None
+
+
+def test_best_vllm_takes_the_better_setting_per_figure() -> None:
+    results = _results()
+    by_name = {t.name: t for t in TARGETS}
+    assert best_vllm(results, "a", by_name["offline throughput"]) == pytest.approx(2500)
+    assert best_vllm(results, "a", by_name["TTFT p50 at 64 streams"]) == 250  # lower wins
+    assert best_vllm(results, "a", by_name["time to ready"]) == 20.0
+    assert best_vllm(results, "a", by_name["resident memory (tree)"]) == 3100.0  # only 1t has it
+    assert best_vllm(results, "other model", by_name["time to ready"]) is None
+
+
+def test_ratio_rows_say_which_targets_are_met() -> None:
+    rows = {row[1]: row for row in ratio_rows(_results())}
+    assert rows["offline throughput"][4] == "0.80x" and "not met" in rows["offline throughput"][6]
+    assert rows["throughput at 64 streams"][4] == "1.43x"
+    assert rows["throughput at 64 streams"][6] == "met"
+    assert rows["TTFT p50 at 64 streams"][4] == "0.40x"
+    assert rows["TTFT p50 at 64 streams"][6] == "met"
+    assert rows["one-stream inter-token p50"][4] == "1.50x"
+    assert rows["time to ready"][4] == "0.10x" and rows["time to ready"][6] == "met"
+    assert rows["resident memory (tree)"][6] == "met"  # 950 / 3100 = 0.31
+
+
+def test_tables_are_well_formed_markdown() -> None:
+    results = _results()
+    for header, rows in (
+        (FIGURE_HEADER, figure_rows(results)),
+        (RATIO_HEADER, ratio_rows(results)),
+    ):
+        lines = markdown_table(header, rows).splitlines()
+        assert len(lines) == 2 + len(rows)
+        assert all(line.count("|") == len(header) + 1 for line in lines)
+    assert figure_rows(results)[0][:4] == ["a", "asyncengine", "2.0", "2,000"]
+
+
+def test_stream_stats_percentiles() -> None:
+    records = [
+        {"ttft": 0.010, "gaps": [0.002, 0.004], "tokens": 3},
+        {"ttft": 0.030, "gaps": [0.006], "tokens": 2},
+    ]
+    stats = _stream_stats(records, wall=0.5)
+    assert stats["tok_s"] == pytest.approx(10.0)
+    assert stats["ttft_ms"]["p50"] == pytest.approx(20.0)
+    assert stats["itl_ms"]["p50"] == pytest.approx(4.0)
+    assert stats["itl_ms"]["p99"] == pytest.approx(5.96)
