@@ -233,10 +233,14 @@ def _check_tensor_parallel(
 
 
 def _resolve_attention_backend(backend: str, device: str) -> str:
-    """auto: the Triton kernels on CUDA, the torch reference on CPU."""
+    """auto: the Triton kernels on CUDA (when triton is installed), the torch reference else."""
     if backend != "auto":
         return backend
-    return "triton" if device == "cuda" else "torch"
+    if device != "cuda":
+        return "torch"
+    import importlib.util
+
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
 def _read_hf_config(model_dir: Path) -> dict[str, Any]:

@@ -143,6 +143,6 @@ def _decode(
     scores.mul_(scale).add_(plan.decode_mask)
     probs = scores.softmax(dim=-1).to(kv.dtype)
     out = torch.matmul(probs, kv[1])  # [H_kv, Bd, G, D]
-    output[plan.decode_token_idx] = out.transpose(0, 1).reshape(bd, num_q_heads, head_dim).to(
-        output.dtype
+    output[plan.decode_token_idx] = (
+        out.transpose(0, 1).reshape(bd, num_q_heads, head_dim).to(output.dtype)
     )

@@ -13,7 +13,7 @@ import torch
 
 from asyncengine.config import CacheConfig, ModelConfig
 from asyncengine.ipc.messages import LogprobsEntry
-from asyncengine.model.attention import AttentionMetadata
+from asyncengine.model.attention import AttentionMetadata, get_backend
 from asyncengine.model.loader import load_model
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -65,6 +65,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        # Resolve the attention backend now, so a missing triton fails at start-up.
+        get_backend(model_config.attention_backend, device)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
@@ -160,6 +162,7 @@ class ModelRunner:
             block_table=torch.from_numpy(block_table).to(dev),
             block_size=bs,
             dtype=self.dtype,
+            backend=self.model_config.attention_backend,
         )
         logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
         return _BatchInputs(

@@ -1,0 +1,93 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""RMSNorm with an optional fused residual add, in place: Triton.
+
+Same contract as `rms_norm_torch` (see `rms_norm.py`). Each program normalizes BLOCK_T whole
+rows (the row fits one tile, up to 64Ki elements), so the residual add, the mean square and the
+scaling read each row once and write it once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncengine.kernels.triton_utils import (
+    LAUNCH_OPTIONS,
+    cast_rne,
+    check_device,
+    is_interpreted,
+    next_power_of_2,
+    tl_sum,
+)
+
+_MAX_TILE = 1 << 16  # elements of one program's tile
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N] (HAS_RESIDUAL only)
+    weight_ptr,  # [N]
+    num_rows,
+    num_cols,
+    eps,
+    stride_x,
+    stride_r,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    rows = rows.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_N]
+    if HAS_RESIDUAL:
+        r_ptrs = residual_ptr + rows[:, None] * stride_r + cols[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the residual's dtype, as the unfused `residual + hidden` does.
+        total = cast_rne(x + r, residual_ptr.dtype.element_ty)
+        tl.store(r_ptrs, total, mask=mask)
+        x = total.to(tl.float32)
+    mean_square = tl_sum(x * x, axis=1) / num_cols  # [BLOCK_T]
+    normed = x * tl.rsqrt(mean_square + eps)[:, None]
+    normed = cast_rne(normed, x_ptr.dtype.element_ty).to(tl.float32)  # LlamaRMSNorm's rounding
+    w = tl.load(weight_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+    tl.store(x_ptrs, cast_rne(normed * w[None, :], x_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [T, N], normalized in place
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]: residual += x first, then x = norm(residual)
+) -> None:
+    """RMS-normalize the rows of `x` in place, after the optional residual add (Triton)."""
+    check_device(_rms_norm_kernel, x)
+    assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    num_rows, num_cols = x.shape
+    if num_rows == 0:
+        return
+    block_n = next_power_of_2(num_cols)
+    assert block_n <= _MAX_TILE, f"rows of {num_cols} elements are too wide for one tile"
+    # Compiled: rows of ~4Ki elements per program; the interpreter pays per program, so it
+    # takes as many rows as fit one tile.
+    budget = _MAX_TILE if is_interpreted(_rms_norm_kernel) else 4096
+    block_t = min(next_power_of_2(num_rows), max(1, budget // block_n))
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        num_rows,
+        num_cols,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        num_warps=max(1, min(8, block_t * block_n // 512)),
+        **LAUNCH_OPTIONS,
+    )
