@@ -74,6 +74,11 @@ class ModelRunner:
             from asyncengine.model.tensor_parallel import shard_model
 
             shard_model(self.model, self.tp.rank, self.tp.world_size, self.tp.all_reduce)
+        if self.device.type == "cpu":
+            from asyncengine.model.cpu_linear import pack_linear_layers
+
+            # After sharding: the shards are what each rank multiplies by.
+            pack_linear_layers(self.model, self.dtype)
 
     # ---- KV cache ------------------------------------------------------------------------
 
