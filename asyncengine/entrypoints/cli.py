@@ -1,4 +1,4 @@
-"""The `asyncengine` command line: `demo` and `generate`.
+"""The `asyncengine` command line: `demo`, `generate` and `serve`.
 
 The engine options (`--dtype`, `--block-size`, ...) map one to one onto the keyword arguments of
 `EngineConfig.from_kwargs`; `add_engine_args` / `engine_kwargs_from_args` hold that mapping once,
@@ -9,6 +9,7 @@ instant: each command imports the engine when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -119,6 +120,40 @@ def build_parser() -> argparse.ArgumentParser:
                                "template")  # fmt: skip
     add_engine_args(generate)
     generate.set_defaults(func=run_generate)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve MODEL over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics, /version) with uvicorn. "
+        "SIGTERM or Ctrl-C drains requests in flight, aborts what is left after "
+        "--shutdown-timeout seconds, stops the engine and exits 0.",
+    )
+    serve.add_argument("model", metavar="MODEL",
+                       help="a local Hugging Face model folder, or `default` for the "
+                            "embedded SmolLM2-135M-Instruct")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: 127.0.0.1, loopback only)")  # fmt: skip
+    serve.add_argument("--port", type=int, default=8000,
+                       help="port to bind, 0 for a free one (default: 8000)")  # fmt: skip
+    serve.add_argument("--api-key", default=os.environ.get("ASYNCENGINE_API_KEY"),
+                       metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on every path but /health "
+                            "(default: $ASYNCENGINE_API_KEY, else none)")  # fmt: skip
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name clients ask for (default: MODEL as given)")  # fmt: skip
+    serve.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
+                       help="larger request bodies get 413 (default: 8 MiB)")  # fmt: skip
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                       help="on SIGTERM, seconds to let requests in flight finish before "
+                            "aborting them (default: 5)")  # fmt: skip
+    serve.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default: info)")  # fmt: skip
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false",
+                       help="do not log every request")  # fmt: skip
+    add_engine_args(serve)
+    serve.set_defaults(func=run_serve)
     return parser
 
 
@@ -202,6 +237,45 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     finally:
         engine.shutdown()
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`asyncengine serve`: the OpenAI-compatible server, until SIGTERM or Ctrl-C."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"`asyncengine serve` needs starlette and uvicorn ({exc}): "
+            "pip install 'asyncengine[serve]'"
+        ) from None
+    from pathlib import Path
+
+    from asyncengine.entrypoints.openai import build_app
+    from asyncengine.entrypoints.openai.server import make_server
+
+    model = args.model
+    if model == "default" and not Path(model).is_dir():
+        from asyncengine.model.default_model import default_model_dir
+
+        model = default_model_dir()
+    app = build_app(
+        model,
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        **engine_kwargs_from_args(args),
+    )
+    server = make_server(
+        app,
+        host=args.host,
+        port=args.port,
+        drain_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    server.run()
     return 0
 
 

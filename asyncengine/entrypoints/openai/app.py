@@ -1,0 +1,205 @@
+"""The OpenAI-compatible Starlette app: routes, API-key check, error shape, engine lifespan.
+
+GET  /v1/models, /v1/models/{model}     the served model
+POST /v1/completions                    serving_completion.py
+POST /v1/chat/completions               serving_chat.py
+GET  /health                            200 after a real round trip to the core, else 503
+GET  /metrics                           Prometheus text (metrics.py)
+GET  /version                           asyncengine's version
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from asyncengine import __version__
+from asyncengine.client.async_llm import AsyncLLM
+from asyncengine.entrypoints.openai.errors import OpenAIError
+from asyncengine.entrypoints.openai.metrics import CONTENT_TYPE
+from asyncengine.entrypoints.openai.protocol import ModelCard, ModelList
+from asyncengine.entrypoints.openai.serving_chat import ChatServing
+from asyncengine.entrypoints.openai.serving_completion import CompletionServing
+from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
+from asyncengine.errors import EngineDeadError
+
+# A health check that takes longer than this reports the engine unhealthy (hung, or stuck in
+# a very long step).
+HEALTH_CHECK_TIMEOUT_S = 5.0
+# Paths that answer without an API key: load balancers and orchestrators probe them.
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+def build_app(
+    engine: AsyncLLM | str | os.PathLike[str],
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    **engine_options: Any,
+) -> Starlette:
+    """The OpenAI-compatible app over `engine`: an AsyncLLM, or a model folder to build one
+    from with `engine_options` (AsyncLLM.from_pretrained's keywords; bad ones raise here).
+
+    The app's lifespan starts the engine and stops it, unless it is already running when the
+    app starts (then whoever started it owns it). `served_model_name` is the `model` clients
+    ask for (default: the model folder as given); `api_key`, when set, is required as
+    `Authorization: Bearer KEY` on every path but /health.
+    """
+    if not isinstance(engine, AsyncLLM):
+        engine = AsyncLLM.from_pretrained(engine, **engine_options)
+    elif engine_options:
+        raise TypeError("engine options are for a model folder, not for an AsyncLLM")
+    if not max_request_body_bytes > 0:
+        raise ValueError(f"max_request_body_bytes={max_request_body_bytes!r} must be > 0")
+    state = ServerState(
+        engine,
+        served_model_name or str(engine.config.model_config.model),
+        max_request_body_bytes=max_request_body_bytes,
+    )
+    endpoints = _Endpoints(state)
+    routes = [
+        Route("/v1/models", endpoints.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoints.retrieve_model, methods=["GET"]),
+        Route("/v1/completions", CompletionServing(state).create, methods=["POST"]),
+        Route("/v1/chat/completions", ChatServing(state).create, methods=["POST"]),
+        Route("/health", endpoints.health, methods=["GET"]),
+        Route("/metrics", endpoints.metrics, methods=["GET"]),
+        Route("/version", endpoints.version, methods=["GET"]),
+    ]
+    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if engine.is_running:
+            yield
+            return
+        async with engine:
+            yield
+
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={OpenAIError: _openai_error, HTTPException: _http_error},
+    )
+    app.state.openai = state
+    return app
+
+
+def server_state(app: Starlette) -> ServerState:
+    """The state behind an app made by `build_app` (engine, served name, metrics)."""
+    state = app.state.openai
+    assert isinstance(state, ServerState)
+    return state
+
+
+class _Endpoints:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def list_models(self, request: Request) -> Response:
+        return _json(ModelList(data=[self._card()]))
+
+    async def retrieve_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        self.state.check_model(name)
+        return _json(self._card())
+
+    def _card(self) -> ModelCard:
+        config = self.state.engine.config.model_config
+        return ModelCard(
+            id=self.state.model_name,
+            created=int(self.state.created),
+            root=str(config.model),
+            max_model_len=config.max_model_len,
+        )
+
+    async def health(self, request: Request) -> Response:
+        state = self.state
+        state.check_ready()
+        try:
+            await state.engine.check_health(timeout=HEALTH_CHECK_TIMEOUT_S)
+        except EngineDeadError as exc:
+            raise OpenAIError(503, f"the engine is dead: {exc}") from exc
+        except Exception as exc:  # hung (TimeoutError), or closing meanwhile
+            raise OpenAIError(503, f"the engine is unhealthy: {exc}") from exc
+        return Response(b"", status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        engine = self.state.engine
+        stats = None
+        if engine.is_running:
+            try:
+                stats = await engine.get_stats()
+            except Exception:  # died meanwhile: report the server's own metrics only
+                stats = None
+        return Response(self.state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": __version__})
+
+
+class APIKeyMiddleware:
+    """401 unless the request carries `Authorization: Bearer KEY` (every path but /health).
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would sit between every
+    streamed event and the client.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_path(scope) in _PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, given = header.partition(b" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._key):
+            await self.app(scope, receive, send)
+            return
+        error = OpenAIError(401, "a valid API key is required: Authorization: Bearer KEY")
+        response = _error_response(error)
+        response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    # Mounted under a prefix, the app sees the full path; its routes are relative to root_path.
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _json(content: object) -> Response:
+    return Response(msgspec.json.encode(content), media_type="application/json")
+
+
+def _error_response(error: OpenAIError) -> Response:
+    return Response(error.json(), status_code=error.status, media_type="application/json")
+
+
+async def _openai_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own errors (no such route, wrong method) in OpenAI's shape too.
+    assert isinstance(exc, HTTPException)
+    return _error_response(OpenAIError(exc.status_code, exc.detail))

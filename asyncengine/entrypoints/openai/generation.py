@@ -1,0 +1,139 @@
+"""Running a request's prompts through the engine, shared by both generation endpoints.
+
+Each prompt becomes one engine request (`n` sequences), tokenised and checked here before
+anything is sent, so a bad prompt is a 400 before any response starts, even when streaming.
+The prompts of a batch run concurrently in one task group; the first error cancels the rest.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import anyio
+
+from asyncengine.entrypoints.openai.errors import bad_request
+from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.sched.request import check_fits_kv_cache, resolve_max_tokens
+
+# Called with (prompt index, DELTA output) for every output of every prompt.
+OnOutput = Callable[[int, RequestOutput], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class EnginePrompt:
+    token_ids: list[int]
+    text: str | None = None  # the prompt as text, when given as text (for `echo`)
+
+
+def check_prompt(
+    state: ServerState, prompt: EnginePrompt, params: SamplingParams, param: str
+) -> None:
+    """400 (naming `param`, or `max_tokens`) for a prompt the engine would refuse."""
+    model_config = state.engine.config.model_config
+    cache_config = state.engine.config.cache_config
+    num_tokens, max_len = len(prompt.token_ids), model_config.max_model_len
+    if num_tokens == 0:
+        raise bad_request("the prompt is empty: give at least one token", param)
+    vocab = model_config.vocab_size
+    if any(not 0 <= t < vocab for t in prompt.token_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+    if num_tokens >= max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{num_tokens} tokens, leaving no room for the completion.",
+            param,
+        )
+    if params.max_tokens is not None and num_tokens + params.max_tokens > max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{num_tokens + params.max_tokens} tokens ({num_tokens} in the prompt, "
+            f"{params.max_tokens} for the completion).",
+            "max_tokens",
+        )
+    try:
+        check_fits_kv_cache(
+            "this request",
+            num_tokens,
+            resolve_max_tokens(num_tokens, params, max_len),
+            cache_config.block_size,
+            cache_config.num_kv_blocks or 0,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), "max_tokens") from None
+
+
+async def run_prompts(
+    state: ServerState,
+    prompts: Sequence[EnginePrompt],
+    params: SamplingParams,
+    *,
+    request_id: str,
+    priority: int,
+    arrival: float,
+    on_output: OnOutput,
+) -> None:
+    """Generate for every prompt; `on_output` receives each DELTA output as it arrives.
+
+    Cancellation (a client that went away) closes every engine stream, which aborts its
+    request in the core. The first error (ValueError, EngineDeadError, ...) cancels the other
+    prompts and is raised as such, never wrapped in an exception group.
+    """
+    if len(prompts) == 1:
+        await _run_one(state, 0, prompts[0], params, request_id, priority, arrival, on_output)
+        return
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def guarded(index: int, prompt: EnginePrompt) -> None:
+            try:
+                await _run_one(
+                    state, index, prompt, params, f"{request_id}-{index}", priority, arrival,
+                    on_output,
+                )  # fmt: skip
+            except Exception as exc:
+                failures.append(exc)
+                tg.cancel_scope.cancel()
+
+        for index, prompt in enumerate(prompts):
+            tg.start_soon(guarded, index, prompt)
+    if failures:
+        raise failures[0]
+
+
+async def _run_one(
+    state: ServerState,
+    index: int,
+    prompt: EnginePrompt,
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    arrival: float,
+    on_output: OnOutput,
+) -> None:
+    tracker = state.metrics.track(len(prompt.token_ids), params.n, arrival)
+    state.in_flight.add(request_id)
+    try:
+        stream = state.engine.generate(
+            prompt.token_ids, params, request_id=request_id, priority=priority
+        )
+        async with aclosing(stream):  # closing it early aborts the request
+            async for output in stream:
+                tracker.observe(output)
+                await on_output(index, output)
+    finally:
+        state.in_flight.discard(request_id)
+        tracker.close()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def created_now() -> int:
+    return int(time.time())

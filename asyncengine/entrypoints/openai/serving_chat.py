@@ -1,0 +1,285 @@
+"""`POST /v1/chat/completions`: chat through the tokenizer's chat template, streamed or not.
+
+request body → ChatCompletionRequest → messages → chat template (jinja2) → token ids →
+run_prompts (one engine request, DELTA outputs) → `n` choices of assistant messages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from jinja2 import TemplateError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncengine.entrypoints.openai.body import decode_request
+from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_value_error
+from asyncengine.entrypoints.openai.generation import (
+    EnginePrompt,
+    OnOutput,
+    check_prompt,
+    created_now,
+    new_request_id,
+    run_prompts,
+)
+from asyncengine.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    sampling_params,
+)
+from asyncengine.entrypoints.openai.sse import DONE, Emit, SSEResponse, call_until_disconnect
+from asyncengine.entrypoints.openai.sse import sse_event as _event
+from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def create(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        state = self.state
+        req = await decode_request(request, state.max_request_body_bytes, ChatCompletionRequest)
+        state.check_model(req.model)
+        state.check_ready()
+        params = _params(req)
+        prompt = self._prompt(req)
+        check_prompt(state, prompt, params, "messages")
+        run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival)
+        if req.stream:
+            return SSEResponse(run.stream)
+        try:
+            body = await call_until_disconnect(request.receive, run.complete)
+        except Exception as exc:
+            raise error_for(exc) from exc
+        # None: the client went away and its request was aborted; nobody reads this.
+        return Response(body or b"", media_type="application/json")
+
+    def _prompt(self, req: ChatCompletionRequest) -> EnginePrompt:
+        if not req.messages:
+            raise bad_request("messages is empty: give at least one message", "messages")
+        messages: list[dict[str, Any]] = []
+        for i, message in enumerate(req.messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(
+                            f"content parts of type {part.type!r} are not supported, only text",
+                            f"messages[{i}].content",
+                        )
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+            if message.name is not None:
+                entry["name"] = message.name
+            messages.append(entry)
+        tokenizer = self.state.engine.tokenizer
+        extra = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "tokenize"):
+            extra.pop(reserved, None)
+        try:
+            text = str(
+                tokenizer.apply_chat_template(
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    tokenize=False,
+                    **extra,
+                )
+            )
+        except (ValueError, TemplateError) as exc:
+            raise bad_request(f"the chat template failed: {exc}", "messages") from None
+        # The template writes the special tokens (BOS) itself.
+        return EnginePrompt(tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def _params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise bad_request("response_format other than text is not supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_name = req.max_tokens, "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    try:
+        return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as exc:
+        raise from_value_error(exc, {"logprobs": "top_logprobs", "max_tokens": max_name}) from None
+
+
+class _Run:
+    """One chat request being generated: its choices, and how they are sent."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        prompt: EnginePrompt,
+        request_id: str,
+        arrival: float,
+    ) -> None:
+        self.state, self.req, self.params, self.prompt = state, req, params, prompt
+        self.request_id, self.arrival, self.created = request_id, arrival, created_now()
+        self.choices = [_ChoiceState() for _ in range(params.n)]
+
+    async def _generate(self, on_output: OnOutput) -> None:
+        await run_prompts(
+            self.state,
+            [self.prompt],
+            self.params,
+            request_id=self.request_id,
+            priority=self.req.priority or 0,
+            arrival=self.arrival,
+            on_output=on_output,
+        )
+
+    def _update(self, c: CompletionOutput) -> list[TokenLogprob] | None:
+        """Fold a DELTA into its choice; the delta's logprobs, if asked for."""
+        choice = self.choices[c.index]
+        choice.text.append(c.text)
+        choice.num_tokens += len(c.token_ids)
+        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        if self.params.logprobs is None or c.logprobs is None:
+            return None
+        return _logprobs(c.token_ids, c.logprobs, self.params.logprobs)
+
+    def _usage(self) -> Usage:
+        prompt_tokens = len(self.prompt.token_ids)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    # ---- not streamed ------------------------------------------------------------------------
+
+    async def complete(self) -> bytes:
+        async def on_output(_: int, output: RequestOutput) -> None:
+            for c in output.outputs:
+                logprobs = self._update(c)
+                if logprobs is not None:
+                    choice = self.choices[c.index]
+                    choice.logprobs = (choice.logprobs or []) + logprobs
+
+        await self._generate(on_output)
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content="".join(c.text)),
+                    logprobs=(
+                        ChatLogprobs(content=c.logprobs or [])
+                        if self.params.logprobs is not None
+                        else None
+                    ),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(self.choices)
+            ],
+            usage=self._usage(),
+        )
+        return msgspec.json.encode(response)
+
+    # ---- streamed ----------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None) -> bytes:
+        return _event(
+            ChatCompletionChunk(
+                id=self.request_id,
+                created=self.created,
+                model=self.state.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    async def stream(self, emit: Emit) -> None:
+        continuous_usage = self.req.continuous_usage
+        usage = self._usage() if continuous_usage else None
+        # OpenAI opens every choice with its role, before any content.
+        for i in range(self.params.n):
+            role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            await emit(self._chunk([role], usage))
+
+        async def on_output(_: int, output: RequestOutput) -> None:
+            for c in output.outputs:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                logprobs = self._update(c)
+                choice = ChatChunkChoice(
+                    index=c.index,
+                    delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                    logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                await emit(self._chunk([choice], self._usage() if continuous_usage else None))
+
+        try:
+            await self._generate(on_output)
+            if self.req.include_usage:
+                await emit(self._chunk([], self._usage()))
+        except Exception as exc:  # the status is sent already: the error becomes an event
+            await emit(_event(error_for(exc).body()))
+        await emit(DONE)
+
+
+def _logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], top_n: int
+) -> list[TokenLogprob]:
+    """OpenAI's chat logprobs: each sampled token, with the `top_n` most likely in rank order."""
+    result = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position.get(token_id) or next(iter(position.values()))
+        top = sorted((lp for lp in position.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
+        result.append(
+            TokenLogprob(
+                token=sampled.decoded_token or "",
+                logprob=sampled.logprob,
+                bytes=list((sampled.decoded_token or "").encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode()),
+                    )
+                    for lp in top
+                ],
+            )
+        )
+    return result

@@ -1,0 +1,271 @@
+"""`POST /v1/completions`: OpenAI's (legacy) text completions, streamed or not.
+
+request body → CompletionRequest → SamplingParams + one EnginePrompt per prompt →
+run_prompts (one engine request each, DELTA outputs) → choices, indexed prompt * n + sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncengine.entrypoints.openai.body import decode_request
+from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_value_error
+from asyncengine.entrypoints.openai.generation import (
+    EnginePrompt,
+    OnOutput,
+    check_prompt,
+    created_now,
+    new_request_id,
+    run_prompts,
+)
+from asyncengine.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    sampling_params,
+)
+from asyncengine.entrypoints.openai.sse import DONE, Emit, SSEResponse, call_until_disconnect
+from asyncengine.entrypoints.openai.sse import sse_event as _event
+from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _ChoiceState:
+    """One choice as the server has sent or gathered it so far."""
+
+    prefix: str  # the echoed prompt, sent with the choice's first text
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0  # for logprobs' text_offset
+    num_tokens: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def create(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        state = self.state
+        req = await decode_request(request, state.max_request_body_bytes, CompletionRequest)
+        state.check_model(req.model)
+        state.check_ready()
+        params = _params(req)
+        prompts = self._prompts(req, params)
+        run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival)
+        if req.stream:
+            return SSEResponse(run.stream)
+        try:
+            body = await call_until_disconnect(request.receive, run.complete)
+        except Exception as exc:
+            raise error_for(exc) from exc
+        # None: the client went away and its requests were aborted; nobody reads this.
+        return Response(body or b"", media_type="application/json")
+
+    def _prompts(self, req: CompletionRequest, params: SamplingParams) -> list[EnginePrompt]:
+        tokenizer = self.state.engine.tokenizer
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [EnginePrompt(tokenizer.encode(prompt), prompt)]
+        elif not prompt:
+            raise bad_request("prompt is an empty list", "prompt")
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [EnginePrompt(tokenizer.encode(p), p) for p in cast("list[str]", prompt)]
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [EnginePrompt(cast("list[int]", prompt))]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [EnginePrompt(p) for p in cast("list[list[int]]", prompt)]
+        else:
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids (not a mixture)",
+                "prompt",
+            )
+        for p in prompts:
+            check_prompt(self.state, p, params, "prompt")
+            if req.echo and p.text is None:
+                p.text = tokenizer.decode(p.token_ids, skip_special_tokens=False)
+        return prompts
+
+
+def _params(req: CompletionRequest) -> SamplingParams:
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of is not supported, other than equal to n", "best_of")
+    try:
+        return sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+class _Run:
+    """One completion request being generated: its choices, and how they are sent."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[EnginePrompt],
+        request_id: str,
+        arrival: float,
+    ) -> None:
+        self.state, self.req, self.params, self.prompts = state, req, params, prompts
+        self.request_id, self.arrival, self.created = request_id, arrival, created_now()
+        echoed = [(p.text or "") if req.echo else "" for p in prompts]
+        self.choices = [_ChoiceState(prefix) for prefix in echoed for _ in range(params.n)]
+        self.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+
+    async def _generate(self, on_output: OnOutput) -> None:
+        await run_prompts(
+            self.state,
+            self.prompts,
+            self.params,
+            request_id=self.request_id,
+            priority=self.req.priority or 0,
+            arrival=self.arrival,
+            on_output=on_output,
+        )
+
+    def _update(self, prompt_index: int, c: CompletionOutput) -> tuple[int, CompletionChoice]:
+        """Fold a DELTA into its choice; the choice as a chunk holding just that delta."""
+        index = prompt_index * self.params.n + c.index
+        choice = self.choices[index]
+        text = c.text
+        if choice.prefix:
+            text, choice.prefix = choice.prefix + text, ""
+        logprobs = None
+        if self.params.logprobs is not None and c.logprobs is not None:
+            logprobs = _logprobs(c.token_ids, c.logprobs, self.params.logprobs, choice.text_len)
+        choice.text.append(text)
+        choice.text_len += len(text)
+        choice.num_tokens += len(c.token_ids)
+        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        return index, CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    def _usage(self) -> Usage:
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.num_prompt_tokens + completion_tokens,
+        )
+
+    # ---- not streamed ------------------------------------------------------------------------
+
+    async def complete(self) -> bytes:
+        async def on_output(prompt_index: int, output: RequestOutput) -> None:
+            for c in output.outputs:
+                _, delta = self._update(prompt_index, c)
+                choice = self.choices[delta.index]
+                if delta.logprobs is not None:
+                    choice.logprobs = _extend(choice.logprobs, delta.logprobs)
+
+        await self._generate(on_output)
+        response = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.text),
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(self.choices)
+            ],
+            usage=self._usage(),
+        )
+        return msgspec.json.encode(response)
+
+    # ---- streamed ----------------------------------------------------------------------------
+
+    async def stream(self, emit: Emit) -> None:
+        continuous_usage = self.req.continuous_usage
+
+        async def on_output(prompt_index: int, output: RequestOutput) -> None:
+            for c in output.outputs:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                _, choice = self._update(prompt_index, c)
+                chunk = CompletionResponse(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.state.model_name,
+                    choices=[choice],
+                    usage=self._usage() if continuous_usage else None,
+                )
+                await emit(_event(chunk))
+
+        try:
+            await self._generate(on_output)
+            if self.req.include_usage:
+                final = CompletionResponse(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.state.model_name,
+                    choices=[],
+                    usage=self._usage(),
+                )
+                await emit(_event(final))
+        except Exception as exc:  # the status is sent already: the error becomes an event
+            await emit(_event(error_for(exc).body()))
+        await emit(DONE)
+
+
+def _logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], top_n: int, text_offset: int
+) -> CompletionLogprobs:
+    """OpenAI's completions logprobs: each sampled token, its logprob, the top `top_n` (and
+    the sampled token) by text, and where each token starts in the choice's text."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position.get(token_id) or next(iter(position.values()))
+        text = sampled.decoded_token or ""
+        result.tokens.append(text)
+        result.token_logprobs.append(sampled.logprob)
+        # Keyed by text: where tokens decode alike, the sampled one's entry stays, then the
+        # more likely one's.
+        top: dict[str, float] = {text: sampled.logprob}
+        for lp in sorted(position.values(), key=lambda lp: lp.rank):
+            if lp.rank <= top_n:
+                top.setdefault(lp.decoded_token or "", lp.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def _extend(into: CompletionLogprobs | None, more: CompletionLogprobs) -> CompletionLogprobs:
+    if into is None:
+        return more
+    into.tokens += more.tokens
+    into.token_logprobs += more.token_logprobs
+    into.top_logprobs += more.top_logprobs
+    into.text_offset += more.text_offset
+    return into

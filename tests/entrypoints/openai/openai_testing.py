@@ -1,0 +1,113 @@
+"""Helpers for the server tests: a uvicorn server in a thread, SSE and /metrics parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+
+from asyncengine.entrypoints.openai import server_state
+from asyncengine.entrypoints.openai.server import Server, make_server
+from asyncengine.entrypoints.openai.state import ServerState
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny-chat"
+MAX_BODY = 64 * 1024
+# max_model_len 512 leaves room for long streams (the disconnect tests); 512 blocks of 16
+# tokens hold 64 concurrent streams many times over.
+ENGINE_KW: dict[str, Any] = dict(dtype="float32", max_model_len=512, num_kv_blocks=512, seed=0)
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    server: Server
+    state: ServerState
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@contextlib.contextmanager
+def run_in_thread(
+    app: Starlette, drain_timeout: float = 1.0, start_timeout: float = 120.0
+) -> Iterator[RunningServer]:
+    """Serve `app` on a free port of 127.0.0.1 from a thread (its own asyncio loop)."""
+    server = make_server(
+        app,
+        port=0,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        drain_timeout=drain_timeout,
+    )
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server failed to start (see the log)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", server, server_state(app))
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def parse_sse(raw: str) -> list[Any]:
+    """The events of a complete SSE body: JSON objects, then the string "[DONE]" last.
+
+    Asserts the framing: every event is one `data: ` line followed by a blank line.
+    """
+    assert raw.endswith("\n\n"), f"unterminated stream: {raw[-200:]!r}"
+    events: list[Any] = []
+    for block in raw[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, f"bad event {block!r}"
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    assert events and events[-1] == "[DONE]", "the stream must end with data: [DONE]"
+    assert "[DONE]" not in events[:-1]
+    return events
+
+
+_SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? (\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {"name{labels}": value}, with the model_name label left out.
+
+    Asserts the format: HELP and TYPE before each family, one sample per line.
+    """
+    samples: dict[str, float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = _SAMPLE.match(line)
+        assert m is not None, f"bad sample line {line!r}"
+        name, labels, value = m.groups()
+        assert any(name == t or name.startswith(t + "_") for t in typed), f"untyped {name}"
+        kept = [lb for lb in (labels or "").split(",") if lb and not lb.startswith("model_name=")]
+        key = f"{name}{{{','.join(kept)}}}" if kept else name
+        samples[key] = float(value)
+    return samples

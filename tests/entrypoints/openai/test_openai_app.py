@@ -1,0 +1,86 @@
+"""`build_app` in process (httpx's ASGI transport, no socket): arguments, the engine's life
+cycle in the app's lifespan, and 503 while the engine is not running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from openai_testing import ENGINE_KW, parse_metrics, parse_sse, run_in_thread
+
+from asyncengine import AsyncLLM
+from asyncengine.entrypoints.openai import build_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _client(app: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")  # type: ignore[arg-type]
+
+
+async def test_engine_not_running_gives_503(chat_model: Path) -> None:
+    # Built, never started (no lifespan runs under the ASGI transport): nothing is loaded.
+    app = build_app(chat_model, core="thread", **ENGINE_KW)
+    async with _client(app) as client:
+        health = await client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["type"] == "ServiceUnavailableError"
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            response = await client.post(path, json=body)
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == 503
+        # The rest still answers; /metrics without the engine's gauges.
+        assert (await client.get("/v1/models")).json()["data"][0]["id"] == str(chat_model)
+        metrics = parse_metrics((await client.get("/metrics")).text)
+        assert "asyncengine_prompt_tokens_total" in metrics
+        assert "asyncengine_num_requests_running" not in metrics
+
+
+def test_build_app_checks_its_arguments(chat_model: Path) -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        build_app(chat_model, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        build_app(chat_model, max_request_body_bytes=0)
+    engine = AsyncLLM.from_pretrained(chat_model)
+    with pytest.raises(TypeError, match="engine options"):
+        build_app(engine, dtype="float32")
+
+
+async def test_a_running_engine_is_left_to_its_owner(chat_model: Path) -> None:
+    async with AsyncLLM.from_pretrained(chat_model, core="thread", **ENGINE_KW) as engine:
+        app = build_app(engine, served_model_name="mine")
+        async with app.router.lifespan_context(app), _client(app) as client:
+            assert (await client.get("/health")).status_code == 200
+            response = await client.post(
+                "/v1/completions", json={"model": "mine", "prompt": "hello", "max_tokens": 3}
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] >= 1
+        # The app's lifespan is over; the engine still belongs to this block.
+        assert engine.is_running
+        await engine.check_health()
+
+
+def test_shutdown_aborts_the_streams_still_running(chat_model: Path) -> None:
+    engine = AsyncLLM.from_pretrained(chat_model, core="thread", **ENGINE_KW)
+    body = {"prompt": "hello", "n": 4, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with (
+        run_in_thread(build_app(engine), drain_timeout=0.0) as running,
+        httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as r,
+    ):
+        chunks = r.iter_text()
+        raw = next(chunks)
+        running.server.should_exit = True  # what SIGTERM does to `asyncengine serve`
+        raw += "".join(chunks)
+    # No drain time: each sequence ends at once, with "abort", and the stream is well-formed.
+    events = parse_sse(raw)
+    finished = {
+        e["choices"][0]["index"]: e["choices"][0]["finish_reason"]
+        for e in events[:-1]
+        if e["choices"][0]["finish_reason"] is not None
+    }
+    assert finished == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}

@@ -1,0 +1,163 @@
+"""`asyncengine serve` as a real process (with its engine core in another): SIGTERM drains
+the streams in flight and exits 0 within 10 s leaving no process behind; a dead engine core
+gives 503s; the command's flags; the message when starlette is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from openai_testing import parse_sse
+
+from asyncengine.entrypoints import cli
+
+pytestmark = pytest.mark.timeout(180)
+
+SERVE_FLAGS = [
+    "--port", "0", "--served-model-name", "tiny", "--no-access-log",
+    "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512",
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`asyncengine serve` on a free port; yields the process and its URL once healthy."""
+    command = [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(model)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*command, *SERVE_FLAGS, *flags], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None:
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
+            m = re.search(r"Uvicorn running on (http://[\d.:]+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def engine_core(proc: subprocess.Popen[bytes]) -> psutil.Process:
+    cores = [
+        c
+        for c in psutil.Process(proc.pid).children(recursive=True)
+        if "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    assert len(cores) == 1, cores
+    return cores[0]
+
+
+def assert_exits_0_and_leaves_nothing(proc: subprocess.Popen[bytes], log: Path) -> float:
+    """SIGTERM; the seconds it took to exit 0, with every descendant gone."""
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        returncode = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve did not exit within 10 s of SIGTERM:\n{log.read_text()}")
+    elapsed = time.monotonic() - start
+    assert returncode == 0, log.read_text()
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    assert not alive, f"left behind: {alive}"
+    return elapsed
+
+
+def test_sigterm_drains_streams_and_exits_0(chat_model: Path, tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with serve(chat_model, log) as (proc, url):
+        results: dict[int, str] = {}
+        streaming = [threading.Event() for _ in range(4)]
+
+        def stream(i: int) -> None:
+            body = {"prompt": "hello world", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                chunks = []
+                for chunk in r.iter_text():
+                    chunks.append(chunk)
+                    streaming[i].set()
+                results[i] = "".join(chunks)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for event in streaming:
+            assert event.wait(60)
+        elapsed = assert_exits_0_and_leaves_nothing(proc, log)
+        for t in threads:
+            t.join(30)
+    # Each stream in flight was let finish (the default drain is 5 s): complete and well-formed.
+    assert len(results) == 4
+    for raw in results.values():
+        events = parse_sse(raw)
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert elapsed < 10
+    assert "Finished server process" in log.read_text()
+
+
+def test_dead_engine_core_gives_503_and_shutdown_still_exits_0(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "serve.log"
+    with serve(chat_model, log) as (proc, url):
+        engine_core(proc).kill()
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(url + "/health", timeout=30)).status_code != 503:
+            assert time.monotonic() < deadline, "/health never reported the dead engine"
+            time.sleep(0.05)
+        assert "dead" in health.json()["error"]["message"]
+        response = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+        assert_exits_0_and_leaves_nothing(proc, log)
+
+
+def test_serve_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCENGINE_API_KEY", raising=False)
+    args = cli.build_parser().parse_args(["serve", "some/model"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    assert cli.engine_kwargs_from_args(args) == {}
+    args = cli.build_parser().parse_args(
+        ["serve", "m", "--api-key", "k", "--dtype", "bfloat16", "--max-num-seqs", "8",
+         "--tensor-parallel-size", "2", "--port", "9000", "--shutdown-timeout", "2"]
+    )  # fmt: skip
+    assert (args.api_key, args.port, args.shutdown_timeout) == ("k", 9000, 2.0)
+    assert cli.engine_kwargs_from_args(args) == {
+        "dtype": "bfloat16", "max_num_seqs": 8, "tensor_parallel_size": 2,
+    }  # fmt: skip
+    monkeypatch.setenv("ASYNCENGINE_API_KEY", "from-env")
+    assert cli.build_parser().parse_args(["serve", "m"]).api_key == "from-env"
+
+
+def test_serve_without_starlette_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['starlette'] = None\n"
+        "from asyncengine.entrypoints.cli import main\n"
+        "sys.exit(main(['serve', 'some/model']))\n"
+    )
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 1
+    assert "pip install 'asyncengine[serve]'" in proc.stderr
