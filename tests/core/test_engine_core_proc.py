@@ -51,11 +51,13 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.callbacks: list[Any] = []
         self.healthy = True
+        self.failure_reason: str | None = None
 
     def register_failure_callback(self, callback: Any) -> None:
         self.callbacks.append(callback)
 
-    def _notify_failure(self) -> None:
+    def _notify_failure(self, reason: str = "worker 1 died") -> None:
+        self.failure_reason = reason
         for callback in self.callbacks:
             callback()
 
