@@ -1,9 +1,9 @@
 """Fused Triton ops swapped into transformers models: RMSNorm, for now.
 
 transformers' Llama-style RMSNorm runs about seven elementwise kernels per call (upcast, square,
-mean, add, rsqrt, multiply, downcast, weight); `rms_norm_triton` is one pass. The loader may
-call `use_triton_rms_norm` for a model whose attention backend is "triton" (on CUDA); the torch
-path is left exactly as transformers defines it.
+mean, add, rsqrt, multiply, downcast, weight); `rms_norm_triton` is one pass. The model runner
+calls `use_triton_rms_norm` for a model on CUDA whose attention backend is "triton"; on CPU the
+torch path is left exactly as transformers defines it.
 """
 
 from __future__ import annotations
