@@ -170,7 +170,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model", action="append", choices=MODEL_NAMES, help="benchmark model (repeatable)"
     )
-    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated engines")
+    parser.add_argument(
+        "--engines",
+        default=",".join(e for e in ENGINES if e != TP1_ENGINE),
+        help=f"comma-separated engines ({TP1_ENGINE} joins by itself when TP > 1)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine process")
     parser.add_argument(
         "--rounds",

@@ -87,13 +87,17 @@ def _start(
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
+    from asyncengine.config import EngineConfig
+    from asyncengine.executor.process_setup import skip_triton_unless_used
+
+    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
+    skip_triton_unless_used(config.model_config)
+
     import torch
 
-    from asyncengine.config import EngineConfig
     from asyncengine.worker.parallel import create_store, join_group
     from asyncengine.worker.worker import Worker
 
-    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
     # Each rank gets its share of the cores; more threads than cores only contend.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // world_size))
