@@ -340,11 +340,10 @@ def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
 def _build_engine_core(config_msg: bytes) -> EngineCore:
     from asyncengine.config import EngineConfig
     from asyncengine.core.engine_core import EngineCore
-    from asyncengine.executor.process_setup import hide_checkout_kernels, skip_triton_unless_used
+    from asyncengine.executor.process_setup import skip_triton_unless_used
 
     config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
     skip_triton_unless_used(config.model_config)
-    hide_checkout_kernels()
     return EngineCore(config)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 from asyncengine.config import ModelConfig
 
@@ -19,23 +17,3 @@ def skip_triton_unless_used(model_config: ModelConfig) -> None:
     """
     if model_config.attention_backend != "triton" and "triton" not in sys.modules:
         sys.modules["triton"] = None  # type: ignore[assignment]
-
-
-def hide_checkout_kernels() -> None:
-    """Drop sys.path entries that expose this repository's `kernels/` as a top-level package.
-
-    Run from a checkout (tests, benchmarks), the repository root is on sys.path, so
-    `import kernels` finds our folder, which ships as `asyncengine.kernels`. transformers then
-    takes it for Hugging Face's `kernels` package: it scans every installed distribution's
-    metadata looking for its version (a quarter of a second) and imports our folder under the
-    other package's name. Only for processes the engine owns, after their main module loaded.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("asyncengine.kernels")
-    if spec is None or spec.origin is None:
-        return
-    ours = Path(spec.origin).resolve().parent
-    sys.path[:] = [
-        entry for entry in sys.path if (Path(entry or os.getcwd()) / "kernels").resolve() != ours
-    ]

@@ -88,11 +88,10 @@ def _start(
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
     from asyncengine.config import EngineConfig
-    from asyncengine.executor.process_setup import hide_checkout_kernels, skip_triton_unless_used
+    from asyncengine.executor.process_setup import skip_triton_unless_used
 
     config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
     skip_triton_unless_used(config.model_config)
-    hide_checkout_kernels()
 
     import torch
 
