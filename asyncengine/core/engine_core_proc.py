@@ -17,8 +17,6 @@ spawns the process, and the core imports the heavy parts only after saying HELLO
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import signal
@@ -378,23 +376,13 @@ def _install_signal_handlers() -> None:
 
 
 def _start_parent_watch() -> None:
-    """Exit when the parent dies: no orphaned engine cores (vLLM issue #55510's bug class)."""
-    parent = multiprocessing.parent_process()
-    parent_pid = os.getppid()
+    """Exit when the parent dies: no orphaned engine cores."""
+    from asyncengine.executor.process_setup import start_parent_watch
 
-    def watch() -> None:
-        sentinel = parent.sentinel if parent is not None else None
-        while True:
-            if sentinel is not None:
-                if multiprocessing.connection.wait([sentinel], timeout=1.0):
-                    break
-            else:
-                time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                break
+    def on_death() -> None:
         logger.warning("the engine core's parent process died: shutting down")
         os.kill(os.getpid(), signal.SIGTERM)  # a clean shutdown in the main thread...
         time.sleep(10.0)
         os._exit(1)  # ...or, if it hangs, none
 
-    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
+    start_parent_watch(on_death, "EngineCoreParentWatch")

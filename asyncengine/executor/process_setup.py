@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 
 from asyncengine.config import ModelConfig
 
@@ -17,3 +23,27 @@ def skip_triton_unless_used(model_config: ModelConfig) -> None:
     """
     if model_config.attention_backend != "triton" and "triton" not in sys.modules:
         sys.modules["triton"] = None  # type: ignore[assignment]
+
+
+def start_parent_watch(on_death: Callable[[], None], thread_name: str) -> None:
+    """Call `on_death` (in a daemon thread) once this process's parent has died.
+
+    No orphans (vLLM issue #55510's bug class): the parent's sentinel (a pipe from
+    multiprocessing's spawn) closes when it dies; a changed parent pid is the fallback check.
+    """
+    parent = multiprocessing.parent_process()
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        sentinel = parent.sentinel if parent is not None else None
+        while True:
+            if sentinel is not None:
+                if multiprocessing.connection.wait([sentinel], timeout=1.0):
+                    break
+            else:
+                time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                break
+        on_death()
+
+    threading.Thread(target=watch, name=thread_name, daemon=True).start()

@@ -10,13 +10,9 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +31,7 @@ from asyncengine.executor.messages import (
     WorkerReady,
     to_worker_decoder,
 )
+from asyncengine.executor.process_setup import start_parent_watch
 from asyncengine.ipc.sockets import make_socket
 
 if TYPE_CHECKING:
@@ -200,20 +197,9 @@ def _install_signal_handlers() -> None:
 
 def _start_parent_watch(rank: int) -> None:
     """Exit at once when the engine core (our parent) dies: no orphaned workers."""
-    parent = multiprocessing.parent_process()
-    parent_pid = os.getppid()
 
-    def watch() -> None:
-        sentinel = parent.sentinel if parent is not None else None
-        while True:
-            if sentinel is not None:
-                if multiprocessing.connection.wait([sentinel], timeout=1.0):
-                    break
-            else:
-                time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                break
+    def on_death() -> None:
         logger.warning("worker rank %d: the engine core died; exiting", rank)
         os._exit(1)  # a worker holds nothing that needs a clean shutdown
 
-    threading.Thread(target=watch, name=f"WorkerParentWatch-{rank}", daemon=True).start()
+    start_parent_watch(on_death, f"WorkerParentWatch-{rank}")

@@ -17,6 +17,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.model import attention
 from asyncengine.model.attention import AttentionBackend, get_backend
+from asyncengine.testing import transformers_greedy
 
 pytest.importorskip("triton")
 
@@ -33,22 +34,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _transformers_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=3,
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return transformers_greedy(model_dir, prompts, NEW_TOKENS)
 
 
 def _engine_greedy(model_dir: Path, backend: str) -> list[list[list[int]]]:
