@@ -1,8 +1,9 @@
 """Shard a loaded transformers model across tensor-parallel ranks, Megatron style.
 
 Which linear layers split which way comes from the model's own TP plan
-(`config.base_model_tp_plan`, e.g. `"layers.*.self_attn.q_proj": "colwise"`); the sharding
-itself is ours, with plain tensors (no DTensor), so a forward pass is the model's own code:
+(`config.base_model_tp_plan`, e.g. `"layers.*.self_attn.q_proj": "colwise"`), or, for a
+config without one, from DEFAULT_TP_PLAN (the usual q/k/v/o and gate/up/down names); the
+sharding itself is ours, with plain tensors (no DTensor), so a forward pass is the model's own code:
 
 - colwise (q/k/v, gate/up): each rank keeps a contiguous slice of the output features. For
   attention that is whole heads: rank r holds query heads [r*Hq/tp, (r+1)*Hq/tp) and the KV
@@ -31,6 +32,17 @@ _COLWISE = "colwise"
 _ROWWISE = "rowwise"
 _REPLICATED = ("replicated_with_grad_allreduce",)  # the same weights on every rank
 
+# For models whose config carries no TP plan: the Llama family's projection names.
+DEFAULT_TP_PLAN: dict[str, str] = {
+    "layers.*.self_attn.q_proj": _COLWISE,
+    "layers.*.self_attn.k_proj": _COLWISE,
+    "layers.*.self_attn.v_proj": _COLWISE,
+    "layers.*.self_attn.o_proj": _ROWWISE,
+    "layers.*.mlp.gate_proj": _COLWISE,
+    "layers.*.mlp.up_proj": _COLWISE,
+    "layers.*.mlp.down_proj": _ROWWISE,
+}
+
 
 class RowParallelLinear(nn.Module):
     """A linear layer holding a slice of the input features; sums partial outputs over ranks."""
@@ -56,17 +68,14 @@ class RowParallelLinear(nn.Module):
 def shard_model(model: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> None:
     """Shard `model` in place for `rank` of `world_size` per the model's TP plan.
 
-    Raises UnsupportedModelError when the model has no TP plan or uses a sharding style we do
-    not implement.
+    Uses `config.base_model_tp_plan`, or DEFAULT_TP_PLAN when the config has none. Raises
+    UnsupportedModelError when the plan uses a sharding style we do not implement, or matches
+    no layer.
     """
     config = model.config  # type: ignore[attr-defined]
     arch = type(model).__name__
-    plan: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not plan:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} has no tensor-parallel plan (config.base_model_tp_plan): "
-            "run it with tensor_parallel_size=1"
-        )
+    # The model's own plan where it has one; else ours, by the usual projection names.
+    plan: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN)
     base = model.get_submodule(getattr(model, "base_model_prefix", "model"))
     rules = [(_pattern(key), style, key) for key, style in plan.items()]
     sharded = 0
