@@ -53,10 +53,12 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Swap `model`'s linear layers for packed ones when that is safe; the count swapped."""
     if dtype not in _PACKABLE or not _packing_works(dtype):
         return 0
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu"
+    ]
     for name, module in linears:
-        if module.weight.dtype != dtype or module.weight.device.type != "cpu":
-            continue
         model.set_submodule(name, PackedLinear(module))
     logger.info("packed %d linear layers for oneDNN", len(linears))
     return len(linears)

@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.errors import UnsupportedModelError
@@ -45,23 +44,30 @@ DEFAULT_TP_PLAN: dict[str, str] = {
 
 
 class RowParallelLinear(nn.Module):
-    """A linear layer holding a slice of the input features; sums partial outputs over ranks."""
+    """A linear layer holding a slice of the input features; sums partial outputs over ranks.
+
+    The slice is a plain bias-free `nn.Linear` (`self.linear`), so whatever handles linear
+    layers (the CPU weight packing) handles it too; the bias is added once, after the sum.
+    """
 
     def __init__(self, linear: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce):
         super().__init__()
         in_per_rank = linear.in_features // world_size
         cols = slice(rank * in_per_rank, (rank + 1) * in_per_rank)
-        self.weight = nn.Parameter(
+        self.linear = nn.Linear(
+            in_per_rank, linear.out_features, bias=False, dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )  # fmt: skip
+        self.linear.weight = nn.Parameter(
             linear.weight[:, cols].clone(memory_format=torch.contiguous_format), requires_grad=False
         )
-        # The bias is added after the reduction, so that it counts once.
         self.bias = linear.bias
         self.in_features = in_per_rank
         self.out_features = linear.out_features
         self._all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] → [..., out]
-        out = self._all_reduce(F.linear(x, self.weight))
+        out = self._all_reduce(self.linear(x))
         return out if self.bias is None else out + self.bias
 
 

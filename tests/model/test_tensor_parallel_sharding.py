@@ -35,10 +35,10 @@ def test_rank_1_of_2_holds_its_half_of_the_heads_and_the_mlp(
     torch.testing.assert_close(attn.q_proj.weight, full_attn.q_proj.weight[32:])
     torch.testing.assert_close(attn.k_proj.weight, full_attn.k_proj.weight[16:])  # KV head 1
     assert isinstance(attn.o_proj, RowParallelLinear)
-    torch.testing.assert_close(attn.o_proj.weight, full_attn.o_proj.weight[:, 32:])
+    torch.testing.assert_close(attn.o_proj.linear.weight, full_attn.o_proj.weight[:, 32:])
     mlp, full_mlp = model.model.layers[1].mlp, full.model.layers[1].mlp
     torch.testing.assert_close(mlp.up_proj.weight, full_mlp.up_proj.weight[64:])
-    torch.testing.assert_close(mlp.down_proj.weight, full_mlp.down_proj.weight[:, 64:])
+    torch.testing.assert_close(mlp.down_proj.linear.weight, full_mlp.down_proj.weight[:, 64:])
     assert model.lm_head.weight.shape == full.lm_head.weight.shape  # replicated
 
 
@@ -61,3 +61,25 @@ def test_an_unsupported_sharding_style_is_refused(tiny_model_factory: Callable[.
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(UnsupportedModelError, match="local_packed_rowwise"):
         shard_model(model, rank=0, world_size=2, all_reduce=lambda t: t)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
+)
+def test_cpu_weight_packing_reaches_the_row_parallel_layers(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from asyncengine.model.cpu_linear import PackedLinear, pack_linear_layers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("llama"), dtype=torch.bfloat16)
+    shard_model(model, rank=0, world_size=2, all_reduce=lambda t: t)
+    ids = torch.randint(4, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        before = model(ids).logits
+        pack_linear_layers(model, torch.bfloat16)
+        after = model(ids).logits
+    assert isinstance(model.model.layers[0].self_attn.o_proj.linear, PackedLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj.linear, PackedLinear)
+    assert torch.equal(before, after)
