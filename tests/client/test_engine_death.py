@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -18,44 +16,11 @@ from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
 from asyncengine.client.core_client import ProcCoreClient
 from asyncengine.core.engine_core_proc import TEST_HOOKS_ENV
 from asyncengine.ipc.messages import UtilityCall
+from asyncengine.testing.streams import kill_while_streaming
 
 pytestmark = pytest.mark.timeout(120)
 
 LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
-
-
-async def _die_with_open_streams(
-    engine: AsyncLLM, kill: Callable[[], None], num_streams: int = 4
-) -> tuple[list[BaseException], float]:
-    """Open streams, kill the core once all have output, and collect what each stream raises;
-    returns the errors and the seconds from the kill to the last stream's error."""
-    errors: list[BaseException] = []
-    started = 0
-    all_streaming = anyio.Event()
-    killed_at = 0.0
-    last_error_at = 0.0
-
-    async def consume(i: int) -> None:
-        nonlocal started, last_error_at
-        counted = False
-        try:
-            async for _ in engine.generate(f"hello {i}", LONG):
-                if not counted:
-                    counted, started = True, started + 1
-                    if started == num_streams:
-                        all_streaming.set()
-        except EngineDeadError as exc:
-            errors.append(exc)
-            last_error_at = time.monotonic()
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            for i in range(num_streams):
-                tg.start_soon(consume, i)
-            await all_streaming.wait()
-            killed_at = time.monotonic()
-            kill()
-    return errors, last_error_at - killed_at
 
 
 async def _assert_dead_everywhere(engine: AsyncLLM) -> None:
@@ -76,7 +41,7 @@ async def test_sigkill_of_the_core_reaches_every_stream(tiny_llama: Path) -> Non
         pid = client.proc.pid
         assert pid is not None
 
-        errors, delay = await _die_with_open_streams(engine, lambda: os.kill(pid, signal.SIGKILL))
+        errors, delay = await kill_while_streaming(engine, lambda: os.kill(pid, signal.SIGKILL))
         assert len(errors) == 4
         assert delay < 1.0, f"streams learnt of the death after {delay:.2f} s"
         assert "SIGKILL" in str(errors[0])
@@ -97,7 +62,7 @@ async def test_injected_model_runner_failure_sends_engine_core_dead(
             # Fire and forget: the next execute_model raises, as a crashing runner would.
             client.call_utility_nowait(UtilityCall(10_000, "testing_fail_next_step"))
 
-        errors, delay = await _die_with_open_streams(engine, kill)
+        errors, delay = await kill_while_streaming(engine, kill)
         assert len(errors) == 4 and delay < 1.0
         # The core's own report (ENGINE_CORE_DEAD) names the root cause.
         assert "injected model runner failure" in str(errors[0])
@@ -127,7 +92,7 @@ async def test_thread_core_failure_reaches_every_stream(
     async with AsyncLLM.from_pretrained(tiny_llama, core="thread", **ENGINE_KW) as engine:
         client = engine._core_client
         assert client is not None
-        errors, delay = await _die_with_open_streams(
+        errors, delay = await kill_while_streaming(
             engine,
             lambda: client.call_utility_nowait(UtilityCall(10_000, "testing_fail_next_step")),
         )
@@ -153,7 +118,7 @@ async def test_sigterm_of_the_core_is_a_clean_exit_and_a_dead_engine(tiny_llama:
         assert isinstance(client, ProcCoreClient) and client.proc is not None
         pid = client.proc.pid
         assert pid is not None
-        errors, delay = await _die_with_open_streams(
+        errors, delay = await kill_while_streaming(
             engine, lambda: os.kill(pid, signal.SIGTERM), num_streams=2
         )
         assert len(errors) == 2 and delay < 1.0

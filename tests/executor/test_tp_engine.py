@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -18,6 +16,7 @@ from asyncengine.client.core_client import ProcCoreClient
 from asyncengine.core.engine_core_proc import TEST_HOOKS_ENV
 from asyncengine.ipc.messages import UtilityCall
 from asyncengine.testing.processes import assert_gone, child_pids
+from asyncengine.testing.streams import kill_while_streaming
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,47 +33,16 @@ def _worker_pids(engine: AsyncLLM) -> list[int]:
     return workers
 
 
-async def _fail_while_streaming(
-    engine: AsyncLLM, fail: Callable[[], None]
-) -> tuple[list[str], float]:
-    """Open 3 streams, call `fail` once all have output; each stream's error text, and the
-    seconds from `fail` to the last stream's error."""
-    errors: list[str] = []
-    streaming = 0
-    all_streaming = anyio.Event()
-    failed_at = last_error_at = 0.0
-
-    async def consume(i: int) -> None:
-        nonlocal streaming, last_error_at
-        first = True
-        try:
-            async for _ in engine.generate(f"hello {i}", LONG):
-                if first:
-                    first, streaming = False, streaming + 1
-                    if streaming == 3:
-                        all_streaming.set()
-        except EngineDeadError as exc:
-            errors.append(str(exc))
-            last_error_at = time.monotonic()
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(consume, i)
-            await all_streaming.wait()
-            failed_at = time.monotonic()
-            fail()
-    return errors, last_error_at - failed_at
-
-
 async def test_sigkill_of_a_worker_reaches_every_stream(tiny_llama: Path) -> None:
     before = child_pids()
     async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
         victim = _worker_pids(engine)[1]
-        errors, delay = await _fail_while_streaming(engine, lambda: os.kill(victim, signal.SIGKILL))
+        errors, delay = await kill_while_streaming(
+            engine, lambda: os.kill(victim, signal.SIGKILL), num_streams=3
+        )
         assert len(errors) == 3
         assert delay < 1.0, f"streams learnt of the death after {delay:.2f} s"
-        assert f"pid {victim}) died with exit code -9" in errors[0]
+        assert f"pid {victim}) died with exit code -9" in str(errors[0])
         with pytest.raises(EngineDeadError):
             await engine.generate("hello", LONG).__anext__()
     assert_gone(child_pids() - before)
@@ -88,14 +56,15 @@ async def test_an_exception_in_a_worker_reaches_the_client(
     async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
         client = engine._core_client
         assert isinstance(client, ProcCoreClient)
-        errors, delay = await _fail_while_streaming(
+        errors, delay = await kill_while_streaming(
             engine,
             lambda: client.call_utility_nowait(
                 UtilityCall(10_000, "testing_collective_rpc", ["testing_fail_next_step", 1])
             ),
+            num_streams=3,
         )
         assert len(errors) == 3 and delay < 1.0
-        assert "injected failure in worker rank 1" in errors[0]
+        assert "injected failure in worker rank 1" in str(errors[0])
     assert_gone(child_pids() - before)
 
 
@@ -106,11 +75,9 @@ async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
         client = engine._core_client
         assert isinstance(client, ProcCoreClient) and client.proc is not None
         assert client.proc.pid is not None
-        killed_at = time.monotonic()
         os.kill(client.proc.pid, signal.SIGKILL)
         # No orphans: each worker watches its parent and exits when it dies.
         assert_gone(set(workers), timeout=5.0)
-        print(f"workers gone {time.monotonic() - killed_at:.2f} s after the core's SIGKILL")
         with anyio.fail_after(5), pytest.raises(EngineDeadError):
             async for _ in engine.generate("hello", LONG):
                 pass
