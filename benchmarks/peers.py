@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.child import run_child
 from benchmarks.models import MODEL_NAMES, ModelUnavailable, describe, model_dir
 from benchmarks.peer_report import (
     CONCURRENCIES,
@@ -181,24 +181,14 @@ def _run(
         "--concurrency",
         ",".join(str(c) for c in CONCURRENCIES),
     ]
-    try:
-        proc = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=None if args.verbose else subprocess.PIPE,
-            text=True,
-            timeout=args.timeout,
-            env=_env(engine, python),
-            cwd=REPO,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            record: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
-            return record
-    tail = (proc.stderr or "").strip().splitlines()[-20:]
-    return {"error": f"exit code {proc.returncode}\n" + "\n".join(tail)}
+    return run_child(
+        cmd,
+        RESULT_PREFIX,
+        timeout=args.timeout,
+        verbose=args.verbose,
+        env=_env(engine, python),
+        cwd=REPO,
+    )
 
 
 def _report(results: list[PeerResult], args: argparse.Namespace) -> str:

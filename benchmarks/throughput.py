@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.child import run_child
 from benchmarks.models import MODEL_NAMES, ModelUnavailable, describe, model_dir
 from benchmarks.workload import (
     BenchResult,
@@ -216,22 +216,7 @@ def _run_child(engine: str, name: str, folder: Path, args: argparse.Namespace) -
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
         cmd += ["--profile", str(Path(args.profile_dir) / f"{engine}-{name}.prof")]
-    try:
-        proc = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=None if args.verbose else subprocess.PIPE,
-            text=True,
-            timeout=args.timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            record: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
-            return record
-    tail = (proc.stderr or "").strip().splitlines()[-25:]
-    return {"error": f"exit code {proc.returncode}\n" + "\n".join(tail)}
+    return run_child(cmd, RESULT_PREFIX, timeout=args.timeout, verbose=args.verbose)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
