@@ -18,7 +18,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority")
 _EXECUTOR_BACKENDS = ("uni", "mp")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
 
 
@@ -39,7 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     seed: int
     intermediate_size: int | None = None  # the MLP width, when the config names one
-    attention_backend: str = "torch"  # resolved: torch | triton
+    attention_backend: str = "torch"  # resolved: cpu | torch | triton
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,11 @@ class EngineConfig:
             )
         _check_int("seed", seed, 0)
         _check_choice("attention_backend", attention_backend, _ATTENTION_BACKENDS)
+        if attention_backend == "cpu" and resolved_device != "cpu":
+            raise ValueError(
+                f"attention_backend='cpu' runs on CPU devices only, not {resolved_device!r}: "
+                "choose 'auto', 'torch' or 'triton'"
+            )
         _check_int("tensor_parallel_size", tensor_parallel_size, 1)
         if distributed_executor_backend is None:
             distributed_executor_backend = "uni" if tensor_parallel_size == 1 else "mp"
@@ -233,11 +238,13 @@ def _check_tensor_parallel(
 
 
 def _resolve_attention_backend(backend: str, device: str) -> str:
-    """auto: the Triton kernels on CUDA (when triton is installed), the torch reference else."""
+    """auto: the Triton kernels on CUDA (when triton is installed, else the torch reference);
+    the native kernels on CPU (which fall back to the torch reference where they can't be
+    built)."""
     if backend != "auto":
         return backend
     if device != "cuda":
-        return "torch"
+        return "cpu"
     import importlib.util
 
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"

@@ -36,17 +36,15 @@ class TorchAttentionPlan:
     prefills: list[_Prefill]
 
 
-def plan_paged_attention_torch(
+def plan_prefills(
     query_start_loc: list[int],  # B + 1 offsets into the packed tokens
     seq_lens: list[int],  # [B] context length including this step's tokens
     block_table: torch.Tensor,  # [B, max_blocks] int64
     block_size: int,
     dtype: torch.dtype,
-) -> TorchAttentionPlan:
+) -> list[_Prefill]:
+    """The sequences with more than one query token, with what attending them needs."""
     device = block_table.device
-    decode_rows = [
-        i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1
-    ]
     prefills: list[_Prefill] = []
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -63,6 +61,21 @@ def plan_paged_attention_torch(
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
         prefills.append(_Prefill(start, end, seq_len, block_table[i, :nb], mask))
+    return prefills
+
+
+def plan_paged_attention_torch(
+    query_start_loc: list[int],  # B + 1 offsets into the packed tokens
+    seq_lens: list[int],  # [B] context length including this step's tokens
+    block_table: torch.Tensor,  # [B, max_blocks] int64
+    block_size: int,
+    dtype: torch.dtype,
+) -> TorchAttentionPlan:
+    device = block_table.device
+    decode_rows = [
+        i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1
+    ]
+    prefills = plan_prefills(query_start_loc, seq_lens, block_table, block_size, dtype)
     if not decode_rows:
         return TorchAttentionPlan(None, None, None, prefills)
     rows = torch.tensor(decode_rows, device=device)
@@ -93,16 +106,38 @@ def paged_attention_torch(
     flat_cache = kv_cache.view(2, num_kv_heads, num_blocks, -1)  # [2, H_kv, nblk, bs * D]
     if plan.decode_token_idx is not None:
         _decode(query, flat_cache, plan, scale, output, num_kv_heads, head_dim)
+    attend_prefills(query, key, value, kv_cache, plan.prefills, scale, output)
+    return output
+
+
+def attend_prefills(
+    query: torch.Tensor,  # [T, H_q, D]
+    key: torch.Tensor,  # [T, H_kv, D]
+    value: torch.Tensor,  # [T, H_kv, D]
+    kv_cache: torch.Tensor,  # [2, H_kv, num_blocks, block_size, D]
+    prefills: list[_Prefill],
+    scale: float,
+    output: torch.Tensor,  # [T, H_q, D], written at the prefills' rows
+    keys_transposed: bool = False,  # key blocks stored [D, block_size] (the "cpu" backend)
+) -> None:
+    """Causal SDPA for each prefill chunk, over its new K/V or its gathered cached blocks."""
+    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+    flat_cache = kv_cache.view(2, num_kv_heads, num_blocks, -1)  # [2, H_kv, nblk, bs * D]
     gqa = query.shape[1] != num_kv_heads
-    for p in plan.prefills:
+    for p in prefills:
         q = query[p.start : p.end].transpose(0, 1)  # [H_q, q_len, D]
         if p.block_ids is None:
             k = key[p.start : p.end].transpose(0, 1)  # [H_kv, S, D]
             v = value[p.start : p.end].transpose(0, 1)
         else:
             kv = flat_cache.index_select(2, p.block_ids)  # [2, H_kv, nb, bs * D]
-            kv = kv.view(2, num_kv_heads, -1, head_dim)[:, :, : p.seq_len]  # [2, H_kv, S, D]
-            k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
+            v = kv[1].view(num_kv_heads, -1, head_dim)[:, : p.seq_len]  # [H_kv, S, D]
+            if keys_transposed:
+                k = kv[0].view(num_kv_heads, -1, head_dim, block_size).transpose(-1, -2)
+                k = k.reshape(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            else:
+                k = kv[0].view(num_kv_heads, -1, head_dim)[:, : p.seq_len]
+            k, v = k.to(q.dtype), v.to(q.dtype)
         # 4-D inputs: CPU SDPA takes its flash kernel for them, but its slow generic path
         # for 3-D ones (about twice the time).
         o = F.scaled_dot_product_attention(
@@ -115,7 +150,6 @@ def paged_attention_torch(
             enable_gqa=gqa,
         )  # [1, H_q, q_len, D]
         output[p.start : p.end] = o[0].transpose(0, 1)
-    return output
 
 
 def _decode(

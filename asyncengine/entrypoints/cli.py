@@ -62,9 +62,10 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                             help="uni: one worker in the engine core; mp: one "
                                                  "process per rank (default: uni for one "
                                                  "worker, mp for more)")),
-    ("--attention-backend", dict(dest="attention_backend", choices=("auto", "torch", "triton"),
+    ("--attention-backend", dict(dest="attention_backend",
+                                 choices=("auto", "cpu", "torch", "triton"),
                                  help="paged attention implementation (default: auto, Triton "
-                                      "on CUDA, torch on CPU)")),
+                                      "on CUDA, native C kernels on CPU)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)

@@ -4,9 +4,12 @@ The model runner passes an `AttentionMetadata` to the model's forward as the key
 `asyncengine_attn`; transformers hands every keyword argument on to the attention function of
 each layer, which writes the layer's new K/V into the paged cache and attends over it.
 
-Two backends implement the same three steps (plan once per step; per layer, write the cache and
-attend): "torch" (the reference, CPU's default) and "triton" (the kernels, CUDA's default; on
+Three backends implement the same three steps (plan once per step; per layer, write the cache
+and attend): "cpu" (native C kernels built on first use, CPU's default), "torch" (the reference,
+and the CPU fallback where no C compiler works) and "triton" (the kernels, CUDA's default; on
 CPU they run under Triton's interpreter, for tests). `ModelConfig.attention_backend` picks one.
+A backend may lay the cache out its own way ("cpu" stores key blocks transposed), so one
+backend writes and reads a cache for its whole life.
 """
 
 from __future__ import annotations
@@ -47,17 +50,43 @@ TORCH_BACKEND = AttentionBackend(
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend named by a resolved `attention_backend` ("torch" | "triton") for `device`.
+    """The backend named by a resolved `attention_backend` ("cpu" | "torch" | "triton").
 
+    "cpu" needs a CPU device; where its native kernels can't be built (no C compiler, or
+    ASYNCENGINE_NATIVE_KERNELS=0) it is the torch reference, after one logged warning.
     "triton" on a CPU device turns Triton's interpreter on (TRITON_INTERPRET=1) for this
     process before the kernels are imported. Raises RuntimeError when triton is missing or the
     kernels were already imported in the other mode.
     """
     if name == "torch":
         return TORCH_BACKEND
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(
+                f"attention_backend='cpu' runs on CPU devices only, not {device.type!r}: "
+                "choose 'auto', 'torch' or 'triton'"
+            )
+        return _cpu_backend()
     if name == "triton":
         return _triton_backend(device.type)
-    raise ValueError(f"attention_backend={name!r}: expected 'torch' or 'triton'")
+    raise ValueError(f"attention_backend={name!r}: expected 'cpu', 'torch' or 'triton'")
+
+
+@functools.cache
+def _cpu_backend() -> AttentionBackend:
+    from asyncengine.kernels.cpu_native import load_native
+
+    if load_native() is None:
+        return TORCH_BACKEND
+    from asyncengine.kernels.paged_attention_cpu import (
+        paged_attention_cpu,
+        plan_paged_attention_cpu,
+        reshape_and_cache_cpu,
+    )
+
+    return AttentionBackend(
+        "cpu", plan_paged_attention_cpu, reshape_and_cache_cpu, paged_attention_cpu
+    )
 
 
 @functools.cache

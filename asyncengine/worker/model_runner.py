@@ -79,6 +79,10 @@ class ModelRunner:
 
             # After sharding: the shards are what each rank multiplies by.
             pack_linear_layers(self.model, self.dtype)
+            if self.model_config.attention_backend == "cpu":
+                from asyncengine.model.fused_ops import use_native_cpu_ops
+
+                use_native_cpu_ops(self.model)
         elif self.model_config.attention_backend == "triton":
             from asyncengine.model.fused_ops import use_triton_rms_norm
 

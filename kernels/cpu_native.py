@@ -1,0 +1,189 @@
+"""Build, cache and load the native CPU kernels (`csrc/cpu_kernels.c`), called through ctypes.
+
+The C file is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
+host CPU (`-march=native -fopenmp`): about a second, with no torch headers. The library is
+cached under `cache_dir()/native/`, named by a hash of the source, the flags, the compiler's
+version and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a
+cache shared between different machines never runs code built for another CPU. A build writes
+a temporary file and renames it, so processes that build at once (tensor-parallel workers) do
+not see a half-written library.
+
+`load_native()` returns None, after one warning, where no compiler works or
+`ASYNCENGINE_NATIVE_KERNELS=0` is set; callers then use the torch reference.
+
+Threads: the library links `libgomp.so.1`, which resolves to the OpenMP runtime torch already
+loaded (same soname), so one thread pool serves both. The thread count is passed per call,
+because OpenMP's `omp_set_num_threads` (what `torch.set_num_threads` calls) is per thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from asyncengine.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# -fno-trapping-math lets GCC vectorise the clamped exp() loops (FP exception flags are unused).
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-fno-strict-aliasing",
+    "-fno-trapping-math",
+)
+DISABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    """The loaded library's entry points (see the C file for their contracts)."""
+
+    path: Path
+    paged_decode: Callable[..., None]
+    reshape_and_cache: Callable[..., None]
+    rms_norm: Callable[..., None]
+    silu_mul: Callable[..., None]
+
+
+def compiler() -> str | None:
+    """The C compiler to use: `$CC`, else `cc` on PATH; None where there is none."""
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def native_enabled() -> bool:
+    """False when the user turned the native kernels off (`ASYNCENGINE_NATIVE_KERNELS=0`)."""
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def load_native() -> NativeKernels | None:
+    """The native kernels, built on first use; None (after one warning) where they can't be."""
+    if not native_enabled():
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.warning(
+            "no C compiler found ($CC or cc): using the slower torch attention on CPU; "
+            "install gcc (or set CC) for asyncengine's native CPU kernels"
+        )
+        return None
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("building the native CPU kernels failed, using torch attention: %s", e)
+        return None
+    return _bind(lib, path)
+
+
+def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
+    decode = lib.ae_paged_decode
+    decode.restype = None
+    decode.argtypes = [
+        ctypes.c_int,  # dtype code
+        _ptr, _i64, _i64,  # query, token stride, head stride
+        _ptr, _i64, _i64,  # out, token stride, head stride
+        _ptr, _i64, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D, group
+        _ptr, _ptr, _i64, _ptr, _i64,  # token_idx, block_table, its stride, seq_lens, count
+        ctypes.c_float, ctypes.c_int,  # scale, threads
+    ]  # fmt: skip
+    cache = lib.ae_reshape_and_cache
+    cache.restype = None
+    cache.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _i64,  # key, token stride, head stride
+        _ptr, _i64, _i64,  # value, token stride, head stride
+        _ptr, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D
+        _ptr, _i64, ctypes.c_int,  # slot_mapping, tokens, threads
+    ]  # fmt: skip
+    rms_norm = lib.ae_rms_norm
+    rms_norm.restype = None
+    rms_norm.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _ptr, _i64,  # x, its row stride, out, its row stride
+        _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
+    ]  # fmt: skip
+    silu_mul = lib.ae_silu_mul
+    silu_mul.restype = None
+    silu_mul.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
+        _i64, _i64, ctypes.c_int,  # rows, n, threads
+    ]  # fmt: skip
+    return NativeKernels(
+        path=path,
+        paged_decode=decode,
+        reshape_and_cache=cache,
+        rms_norm=rms_norm,
+        silu_mul=silu_mul,
+    )
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, " ".join(CFLAGS).encode(), _compiler_version(cc), _cpu_flags()):
+        key.update(part)
+        key.update(b"\0")
+    out_dir = cache_dir() / "native"
+    target = out_dir / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{cc} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the native CPU kernels: %s", target)
+    return target
+
+
+def _compiler_version(cc: str) -> bytes:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b""
+
+
+def _cpu_flags() -> bytes:
+    # -march=native code may use any of these; another CPU must get its own build.
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode()

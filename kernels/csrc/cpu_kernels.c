@@ -1,0 +1,350 @@
+/*
+ * asyncengine's native CPU kernels: paged-attention decode and the paged cache write.
+ *
+ * Built on first use by kernels/cpu_native.py with the system C compiler
+ * (`cc -O3 -march=native -fopenmp`) and called through ctypes, so no torch headers are needed
+ * and a build takes about a second. Tensors arrive as data pointers plus element strides.
+ *
+ * Cache layout of one layer, [2, H_kv, num_blocks, block_size, D] as torch sees it, but
+ * with each KEY block stored transposed, [D][block_size]: a block's scores for one query head
+ * are then D vector FMAs over block_size keys (one AVX-512 register of fp32 at block_size 16)
+ * with no horizontal sums. Value blocks stay [block_size][D], which is already the right way
+ * round for the weighted sum. Only these kernels and the "cpu" backend's Python code read a
+ * cache written in this layout (kernels/paged_attention_cpu.py).
+ *
+ * Arithmetic is fp32 throughout (loads upcast, one rounding at the store), whatever the dtype.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
+
+static inline int64_t elem_size(int dt) { return dt == AE_F32 ? 4 : 2; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+}
+
+/* n elements of dtype `dt` at `src` (contiguous) -> fp32 */
+static inline void load_f32(const void *src, float *restrict dst, int64_t n, int dt) {
+    if (dt == AE_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == AE_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const _Float16 *s = (const _Float16 *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+    }
+}
+
+static inline void store_f32(void *dst, const float *restrict src, int64_t n, int dt) {
+    if (dt == AE_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == AE_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        _Float16 *d = (_Float16 *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    }
+}
+
+/* 2^y for y in [-126, 127], written so that loops over it vectorise: 2^n * 2^f with |f| <= 1/2
+ * and a degree-7 Taylor polynomial for 2^f (relative error below 1e-7, under fp32's rounding). */
+static inline float exp2_normal(float y) {
+    /* round to nearest through a positive offset: truncation vectorises where floorf may not */
+    const int32_t ni = (int32_t)(y + 128.5f) - 128;
+    const float n = (float)ni;
+    const float f = y - n;
+    float p = 1.52527338e-5f;
+    p = p * f + 1.54035304e-4f;
+    p = p * f + 1.33335581e-3f;
+    p = p * f + 9.61812911e-3f;
+    p = p * f + 5.55041087e-2f;
+    p = p * f + 2.40226507e-1f;
+    p = p * f + 6.93147181e-1f;
+    p = p * f + 1.0f;
+    const union { int32_t i; float f; } scale = {.i = (ni + 127) << 23};
+    return p * scale.f;
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum); 0 below 2^-126. */
+static inline float exp_nonpositive(float x) {
+    const float y = x * 1.44269504088896341f;
+    const float e = exp2_normal(y < -126.0f ? -126.0f : y);
+    return y < -126.0f ? 0.0f : e;
+}
+
+/* exp(x) for any x: 0 below 2^-126, clamped at 2^127 above (only SiLU's 1 + exp(-x) sees it). */
+static inline float exp_any(float x) {
+    const float y = x * 1.44269504088896341f;
+    const float e = exp2_normal(y < -126.0f ? -126.0f : (y > 127.0f ? 127.0f : y));
+    return y < -126.0f ? 0.0f : e;
+}
+
+/* 16 fp32 lanes: one AVX-512 register (two AVX2 ones); GCC lowers it to what the CPU has. */
+typedef float v16f __attribute__((vector_size(64)));
+#define LANES 16
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Scores of NG query heads against one transposed key block kt [D][ldk], 16 keys at a time:
+ * D broadcast FMAs per 16 keys and head, no horizontal sums. */
+#define DEFINE_SCORES(NG)                                                                      \
+    static inline void scores_##NG(const float *restrict q, int64_t D, const float *restrict kt, \
+                                   int64_t ldk, int64_t n, float *restrict out, int64_t ld_out) { \
+        for (int64_t j0 = 0; j0 < n; j0 += LANES) {                                            \
+            v16f acc[NG];                                                                       \
+            for (int g = 0; g < NG; g++) acc[g] = (v16f){0};                                    \
+            for (int64_t d = 0; d < D; d++) {                                                   \
+                const v16f k = load16(kt + d * ldk + j0);                                       \
+                for (int g = 0; g < NG; g++) acc[g] += q[g * D + d] * k;                        \
+            }                                                                                   \
+            const int64_t m = n - j0 < LANES ? n - j0 : LANES;                                  \
+            for (int g = 0; g < NG; g++) {                                                      \
+                float tmp[LANES];                                                               \
+                memcpy(tmp, &acc[g], sizeof tmp);                                               \
+                memcpy(out + g * ld_out + j0, tmp, (size_t)m * sizeof(float));                  \
+            }                                                                                   \
+        }                                                                                       \
+    }
+DEFINE_SCORES(1)
+DEFINE_SCORES(2)
+DEFINE_SCORES(3)
+DEFINE_SCORES(4)
+
+/*
+ * One (sequence, KV head) of a decode: G query heads attend over `len` cached tokens.
+ * q: [G][D] fp32, already scaled. kt: fp32 scratch for one key block, transposed, with its
+ * rows padded to ldk (a multiple of 16) columns. vb: [bs][D] scratch. scores: [G][ld_scores].
+ * acc: [G][D] output.
+ */
+static void decode_one(const float *restrict q, int64_t G, int64_t D, int64_t bs, int64_t len,
+                       const char *k_head, const char *v_head, const int32_t *blocks, int dt,
+                       float *restrict kt, int64_t ldk, float *restrict vb,
+                       float *restrict scores, int64_t ld_scores, float *restrict acc) {
+    const int64_t es = elem_size(dt);
+    const int64_t block_bytes = bs * D * es;
+    const int64_t nblk = (len + bs - 1) / bs;
+    /* 1. scores = q . k for every cached key, one block at a time */
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+        const char *kblock = k_head + (int64_t)blocks[b] * block_bytes;
+        if (ldk == bs) {
+            load_f32(kblock, kt, bs * D, dt);
+        } else {
+            for (int64_t d = 0; d < D; d++) load_f32(kblock + d * bs * es, kt + d * ldk, bs, dt);
+        }
+        float *out = scores + b * bs;
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) scores_4(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
+        if (G - g == 3) scores_3(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
+        if (G - g == 2) scores_2(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
+        if (G - g == 1) scores_1(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
+    }
+    /* 2. softmax over each query head's scores, in place (normalised at the end) */
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * ld_scores;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; j++) {
+            const float e = exp_nonpositive(sg[j] - m);
+            sg[j] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+    }
+    /* 3. acc = probs . v, one value block at a time */
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+        load_f32(v_head + (int64_t)blocks[b] * block_bytes, vb, n * D, dt);
+        for (int64_t g = 0; g < G; g++) {
+            const float *p = scores + g * ld_scores + b * bs;
+            float *restrict ag = acc + g * D;
+            for (int64_t j = 0; j < n; j++) {
+                const float pj = p[j];
+                const float *restrict vrow = vb + j * D;
+                for (int64_t d = 0; d < D; d++) ag[d] += pj * vrow[d];
+            }
+        }
+    }
+}
+
+/*
+ * Decode attention for `num_seqs` single-token queries.
+ *
+ * query/out: [T, H_q, D] with element strides (token, head); D contiguous. Row token_idx[i]
+ * of both belongs to sequence i, whose seq_lens[i] tokens (the new one included, already in
+ * the cache) live in blocks block_table[i * bt_stride + 0 ..]. H_q = H_kv * group.
+ */
+void ae_paged_decode(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
+                     int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
+                     int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
+                     const int64_t *token_idx, const int32_t *block_table, int64_t bt_stride,
+                     const int32_t *seq_lens, int64_t num_seqs, float scale, int num_threads) {
+    const int64_t es = elem_size(dt);
+    const int64_t D = head_dim, G = group, bs = block_size;
+    const int64_t head_bytes = num_blocks * bs * D * es;
+    const char *k_base = (const char *)kv_cache;
+    const char *v_base = k_base + num_kv_heads * head_bytes;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const int64_t ldk = (bs + LANES - 1) / LANES * LANES;
+    /* whole blocks, plus 16 columns, so 16-wide score stores past a short block stay inside */
+    const int64_t ld_scores = (max_len + bs - 1) / bs * bs + LANES;
+    const int64_t items = num_seqs * num_kv_heads;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *q = malloc((size_t)(G * D) * sizeof(float));
+        float *acc = malloc((size_t)(G * D) * sizeof(float));
+        /* zeroed: the padding columns of a transposed key block stay 0 */
+        float *kt = calloc((size_t)(ldk * D), sizeof(float));
+        float *vb = malloc((size_t)(bs * D) * sizeof(float));
+        float *scores = malloc((size_t)(G * ld_scores) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t s = it / num_kv_heads, h = it % num_kv_heads;
+            const int64_t t = token_idx[s];
+            for (int64_t g = 0; g < G; g++) {
+                const char *src = (const char *)query + (t * q_st + (h * G + g) * q_sh) * es;
+                load_f32(src, q + g * D, D, dt);
+                for (int64_t d = 0; d < D; d++) q[g * D + d] *= scale;
+            }
+            decode_one(q, G, D, bs, seq_lens[s], k_base + h * head_bytes, v_base + h * head_bytes,
+                       block_table + s * bt_stride, dt, kt, ldk, vb, scores, ld_scores, acc);
+            for (int64_t g = 0; g < G; g++) {
+                char *dst = (char *)out + (t * o_st + (h * G + g) * o_sh) * es;
+                store_f32(dst, acc + g * D, D, dt);
+            }
+        }
+        free(q);
+        free(acc);
+        free(kt);
+        free(vb);
+        free(scores);
+    }
+}
+
+/*
+ * Write num_tokens new tokens' K and V ([T, H_kv, D] with element strides (token, head); D
+ * contiguous; the cache's dtype) into the cache at slot_mapping[t] (block slot / bs, offset
+ * slot % bs), keys transposed within their block. A negative slot is skipped (padding).
+ */
+void ae_reshape_and_cache(int dt, const void *key, int64_t k_st, int64_t k_sh,
+                          const void *value, int64_t v_st, int64_t v_sh, void *kv_cache,
+                          int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                          int64_t head_dim, const int64_t *slot_mapping, int64_t num_tokens,
+                          int num_threads) {
+    const int64_t es = elem_size(dt);
+    const int64_t D = head_dim, bs = block_size;
+    const int64_t head_elems = num_blocks * bs * D;
+    char *k_base = (char *)kv_cache;
+    char *v_base = k_base + num_kv_heads * head_elems * es;
+    const int64_t items = num_tokens * num_kv_heads;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (items > 256)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t t = it / num_kv_heads, h = it % num_kv_heads;
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / bs, off = slot % bs;
+        const int64_t block_start = h * head_elems + blk * bs * D;
+        memcpy(v_base + (block_start + off * D) * es,
+               (const char *)value + (t * v_st + h * v_sh) * es, (size_t)(D * es));
+        const char *k = (const char *)key + (t * k_st + h * k_sh) * es;
+        char *kdst = k_base + (block_start + off) * es;
+        if (es == 4) {
+            for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 4, k + d * 4, 4);
+        } else {
+            for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 2, k + d * 2, 2);
+        }
+    }
+}
+
+/* Round n values to dtype `dt` and back, in place: what torch does between two half-precision
+ * ops. (The dtype test sits outside the loops, so that they vectorise.) */
+static inline void round_row(float *restrict x, int64_t n, int dt) {
+    if (dt == AE_BF16) {
+        for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+    } else if (dt == AE_F16) {
+        for (int64_t i = 0; i < n; i++) x[i] = (float)(_Float16)x[i];
+    }
+}
+
+/*
+ * RMSNorm of `rows` rows of n values (row strides x_st / o_st in elements), as transformers'
+ * LlamaRMSNorm computes it: the mean square in fp32, the normalised row rounded to the dtype,
+ * then times the weight (same dtype), rounded again.
+ */
+void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
+                 const void *weight, int64_t rows, int64_t n, float eps, int num_threads) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel num_threads(num_threads) if (rows * n >= 32768)
+    {
+        float *buf = malloc((size_t)n * sizeof(float));
+        float *w = malloc((size_t)n * sizeof(float));
+        load_f32(weight, w, n, dt);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_f32((const char *)x + r * x_st * es, buf, n, dt);
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < n; i++) sq += buf[i] * buf[i];
+            const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+            for (int64_t i = 0; i < n; i++) buf[i] *= inv;
+            round_row(buf, n, dt);
+            for (int64_t i = 0; i < n; i++) buf[i] *= w[i];
+            store_f32((char *)out + r * o_st * es, buf, n, dt);
+        }
+        free(buf);
+        free(w);
+    }
+}
+
+/*
+ * out = silu(gate) * up over `rows` rows of n values, as torch computes
+ * `act_fn(gate) * up` in the dtype: silu in fp32, rounded to the dtype, times up, rounded.
+ */
+void ae_silu_mul(int dt, const void *gate, int64_t g_st, const void *up, int64_t u_st, void *out,
+                 int64_t o_st, int64_t rows, int64_t n, int num_threads) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel num_threads(num_threads) if (rows * n >= 32768)
+    {
+        float *g = malloc((size_t)n * sizeof(float));
+        float *u = malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_f32((const char *)gate + r * g_st * es, g, n, dt);
+            load_f32((const char *)up + r * u_st * es, u, n, dt);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_any(-g[i]));
+            round_row(g, n, dt);
+            for (int64_t i = 0; i < n; i++) g[i] *= u[i];
+            store_f32((char *)out + r * o_st * es, g, n, dt);
+        }
+        free(g);
+        free(u);
+    }
+}

@@ -1,0 +1,60 @@
+"""Fused elementwise ops on CPU with the native kernels (`csrc/cpu_kernels.c`).
+
+Each replaces a chain of torch ops with one pass, doing the same arithmetic in the same order
+of roundings as the chain (fp32 inside, rounded to the dtype where torch rounds), so outputs
+match transformers' to the last bit or within one rounding of the dtype:
+
+- `rms_norm_cpu(x, weight, eps)`: transformers' Llama-style RMSNorm (seven ops).
+- `silu_mul_cpu(gate, up)`: `silu(gate) * up`, the gated MLP's activation (two ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncengine.kernels.cpu_native import DTYPE_CODES, NativeKernels, load_native
+
+
+def native() -> NativeKernels:
+    lib = load_native()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable (see the earlier warning)")
+    return lib
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: CPU, one supported dtype, rows of stride 1."""
+    dtype = tensors[0].dtype
+    return all(
+        t.device.type == "cpu" and t.dtype == dtype and t.dtype in DTYPE_CODES and t.stride(-1) == 1
+        for t in tensors
+    )
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as a new tensor like `x`."""
+    rows = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    native().rms_norm(
+        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), out.data_ptr(), x.shape[-1],
+        weight.contiguous().data_ptr(), rows.shape[0], x.shape[-1], eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, both `[..., N]` of one dtype, as a new tensor."""
+    n = gate.shape[-1]
+    g, u = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    native().silu_mul(
+        DTYPE_CODES[gate.dtype], g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
+        out.data_ptr(), n, g.shape[0], n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # [R, N] with unit stride along N; the kernels take any row stride.
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
