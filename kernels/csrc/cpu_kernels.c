@@ -17,6 +17,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -106,61 +109,149 @@ static inline v16f load16(const float *p) {
     return v;
 }
 
-/* Scores of NG query heads against one transposed key block kt [D][ldk], 16 keys at a time:
- * D broadcast FMAs per 16 keys and head, no horizontal sums. */
+/* 16 half-precision values: loaded as they lie in the cache and widened in registers. */
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+/* 16 consecutive values of dtype `dt` at p, as fp32 lanes. */
+static inline v16f load16_as_f32(const char *p, int dt) {
+    if (dt == AE_F32) return load16((const float *)p);
+    if (dt == AE_BF16) {
+#ifdef __AVX512F__
+        /* one widening load and a shift (GCC's generic lowering takes four shuffles more) */
+        const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+        return (v16f)_mm512_castsi512_ps(u);
+#else
+        v16u16 h;
+        memcpy(&h, p, sizeof h);
+        const v16u32 u = __builtin_convertvector(h, v16u32) << 16;
+        v16f f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+#endif
+    }
+    float tmp[LANES];
+    const _Float16 *x = (const _Float16 *)p;
+    for (int i = 0; i < LANES; i++) tmp[i] = (float)x[i];
+    return load16(tmp);
+}
+
+/* Scores of NG query heads against the keys of one transposed key block ([D][16] in the cache,
+ * block_size 16): per dimension, one 16-key row widened once and NG broadcast FMAs. Even and
+ * odd dimensions accumulate apart: two independent FMA chains per head hide the FMA latency. */
 #define DEFINE_SCORES(NG)                                                                      \
-    static inline void scores_##NG(const float *restrict q, int64_t D, const float *restrict kt, \
-                                   int64_t ldk, int64_t n, float *restrict out, int64_t ld_out) { \
-        for (int64_t j0 = 0; j0 < n; j0 += LANES) {                                            \
-            v16f acc[NG];                                                                       \
-            for (int g = 0; g < NG; g++) acc[g] = (v16f){0};                                    \
-            for (int64_t d = 0; d < D; d++) {                                                   \
-                const v16f k = load16(kt + d * ldk + j0);                                       \
-                for (int g = 0; g < NG; g++) acc[g] += q[g * D + d] * k;                        \
-            }                                                                                   \
-            const int64_t m = n - j0 < LANES ? n - j0 : LANES;                                  \
+    static inline void scores_##NG(const float *restrict q, int64_t D, const char *kblock,     \
+                                   int dt, int64_t n, float *restrict out, int64_t ld_out) {   \
+        const int64_t row_bytes = LANES * elem_size(dt);                                        \
+        v16f acc[2][NG];                                                                        \
+        for (int g = 0; g < NG; g++) acc[0][g] = acc[1][g] = (v16f){0};                         \
+        for (int64_t d = 0; d < D; d += 2) {                                                    \
+            const v16f k0 = load16_as_f32(kblock + d * row_bytes, dt);                          \
+            const v16f k1 = load16_as_f32(kblock + (d + 1) * row_bytes, dt);                    \
             for (int g = 0; g < NG; g++) {                                                      \
-                float tmp[LANES];                                                               \
-                memcpy(tmp, &acc[g], sizeof tmp);                                               \
-                memcpy(out + g * ld_out + j0, tmp, (size_t)m * sizeof(float));                  \
+                acc[0][g] += q[g * D + d] * k0;                                                 \
+                acc[1][g] += q[g * D + d + 1] * k1;                                             \
             }                                                                                   \
         }                                                                                       \
+        for (int g = 0; g < NG; g++) {                                                          \
+            float tmp[LANES];                                                                   \
+            const v16f sum = acc[0][g] + acc[1][g];                                             \
+            memcpy(tmp, &sum, sizeof tmp);                                                      \
+            memcpy(out + g * ld_out, tmp, (size_t)n * sizeof(float));                           \
+        }                                                                                       \
     }
+
+/* acc[g][d0:d0+16] = sum over the sequence's keys j of probs[g][j] * v[j][d0:d0+16], for NG
+ * heads: the 16 output lanes of each head stay in registers across the whole sequence (even
+ * and odd keys apart, again for two FMA chains). */
+#define DEFINE_VALUES(NG)                                                                      \
+    static inline void values_##NG(const float *restrict probs, int64_t ld_probs, int64_t D,   \
+                                   int64_t d0, int64_t bs, int64_t len, const char *v_head,    \
+                                   const int32_t *blocks, int dt, float *restrict acc) {       \
+        const int64_t es = elem_size(dt), block_bytes = bs * D * es;                            \
+        v16f a[2][NG];                                                                          \
+        for (int g = 0; g < NG; g++) a[0][g] = a[1][g] = (v16f){0};                             \
+        for (int64_t b = 0; b * bs < len; b++) {                                                \
+            const int64_t n = len - b * bs < bs ? len - b * bs : bs;                            \
+            const char *vblock = v_head + (int64_t)blocks[b] * block_bytes + d0 * es;           \
+            const float *p = probs + b * bs;                                                    \
+            int64_t j = 0;                                                                      \
+            for (; j + 2 <= n; j += 2) {                                                        \
+                const v16f v0 = load16_as_f32(vblock + j * D * es, dt);                         \
+                const v16f v1 = load16_as_f32(vblock + (j + 1) * D * es, dt);                   \
+                for (int g = 0; g < NG; g++) {                                                  \
+                    a[0][g] += p[g * ld_probs + j] * v0;                                        \
+                    a[1][g] += p[g * ld_probs + j + 1] * v1;                                    \
+                }                                                                               \
+            }                                                                                   \
+            if (j < n) {                                                                        \
+                const v16f v0 = load16_as_f32(vblock + j * D * es, dt);                         \
+                for (int g = 0; g < NG; g++) a[0][g] += p[g * ld_probs + j] * v0;               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < NG; g++) {                                                          \
+            const v16f sum = a[0][g] + a[1][g];                                                 \
+            memcpy(acc + g * D + d0, &sum, sizeof sum);                                         \
+        }                                                                                       \
+    }
+
 DEFINE_SCORES(1)
 DEFINE_SCORES(2)
 DEFINE_SCORES(3)
 DEFINE_SCORES(4)
+DEFINE_VALUES(1)
+DEFINE_VALUES(2)
+DEFINE_VALUES(3)
+DEFINE_VALUES(4)
+
+/* The general path's scores: any block size, from an fp32 copy of the transposed key block
+ * (kt, [D][ldk], ldk a multiple of 16 with zero padding). */
+static void scores_any(const float *restrict q, int64_t G, int64_t D, const float *restrict kt,
+                       int64_t ldk, int64_t n, float *restrict out, int64_t ld_out) {
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+            v16f acc = (v16f){0};
+            for (int64_t d = 0; d < D; d++) acc += q[g * D + d] * load16(kt + d * ldk + j0);
+            float tmp[LANES];
+            memcpy(tmp, &acc, sizeof tmp);
+            const int64_t m = n - j0 < LANES ? n - j0 : LANES;
+            memcpy(out + g * ld_out + j0, tmp, (size_t)m * sizeof(float));
+        }
+    }
+}
 
 /*
  * One (sequence, KV head) of a decode: G query heads attend over `len` cached tokens.
- * q: [G][D] fp32, already scaled. kt: fp32 scratch for one key block, transposed, with its
- * rows padded to ldk (a multiple of 16) columns. vb: [bs][D] scratch. scores: [G][ld_scores].
- * acc: [G][D] output.
+ * q: [G][D] fp32, already scaled. scores: [G][ld_scores] scratch. acc: [G][D] output.
+ * Block size 16 with D a multiple of 16 (the usual case) reads the cache directly; anything
+ * else goes through fp32 copies of each block (kt: [D][ldk] zero-padded, vb: [bs][D]).
  */
-static void decode_one(const float *restrict q, int64_t G, int64_t D, int64_t bs, int64_t len,
+static inline __attribute__((always_inline)) void decode_one(
+                       const float *restrict q, int64_t G, int64_t D, int64_t bs, int64_t len,
                        const char *k_head, const char *v_head, const int32_t *blocks, int dt,
                        float *restrict kt, int64_t ldk, float *restrict vb,
                        float *restrict scores, int64_t ld_scores, float *restrict acc) {
     const int64_t es = elem_size(dt);
     const int64_t block_bytes = bs * D * es;
     const int64_t nblk = (len + bs - 1) / bs;
+    const int fast = bs == LANES && D % LANES == 0;
     /* 1. scores = q . k for every cached key, one block at a time */
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t n = len - b * bs < bs ? len - b * bs : bs;
         const char *kblock = k_head + (int64_t)blocks[b] * block_bytes;
-        if (ldk == bs) {
-            load_f32(kblock, kt, bs * D, dt);
-        } else {
-            for (int64_t d = 0; d < D; d++) load_f32(kblock + d * bs * es, kt + d * ldk, bs, dt);
-        }
         float *out = scores + b * bs;
+        if (!fast) {
+            for (int64_t d = 0; d < D; d++) load_f32(kblock + d * bs * es, kt + d * ldk, bs, dt);
+            scores_any(q, G, D, kt, ldk, n, out, ld_scores);
+            continue;
+        }
         int64_t g = 0;
-        for (; g + 4 <= G; g += 4) scores_4(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
-        if (G - g == 3) scores_3(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
-        if (G - g == 2) scores_2(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
-        if (G - g == 1) scores_1(q + g * D, D, kt, ldk, n, out + g * ld_scores, ld_scores);
+        for (; g + 4 <= G; g += 4) scores_4(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
+        if (G - g == 3) scores_3(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
+        if (G - g == 2) scores_2(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
+        if (G - g == 1) scores_1(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
     }
-    /* 2. softmax over each query head's scores, in place (normalised at the end) */
+    /* 2. softmax over each query head's scores, in place */
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * ld_scores;
         float m = -INFINITY;
@@ -175,7 +266,22 @@ static void decode_one(const float *restrict q, int64_t G, int64_t D, int64_t bs
         const float inv = 1.0f / sum;
         for (int64_t j = 0; j < len; j++) sg[j] *= inv;
     }
-    /* 3. acc = probs . v, one value block at a time */
+    /* 3. acc = probs . v */
+    if (fast) {
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+            int64_t g = 0;
+            const float *p = scores;
+            for (; g + 4 <= G; g += 4)
+                values_4(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
+            if (G - g == 3)
+                values_3(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
+            if (G - g == 2)
+                values_2(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
+            if (G - g == 1)
+                values_1(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
+        }
+        return;
+    }
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t n = len - b * bs < bs ? len - b * bs : bs;
@@ -233,8 +339,18 @@ void ae_paged_decode(int dt, const void *query, int64_t q_st, int64_t q_sh, void
                 load_f32(src, q + g * D, D, dt);
                 for (int64_t d = 0; d < D; d++) q[g * D + d] *= scale;
             }
-            decode_one(q, G, D, bs, seq_lens[s], k_base + h * head_bytes, v_base + h * head_bytes,
-                       block_table + s * bt_stride, dt, kt, ldk, vb, scores, ld_scores, acc);
+            const char *k_head = k_base + h * head_bytes, *v_head = v_base + h * head_bytes;
+            const int32_t *blocks = block_table + s * bt_stride;
+            /* a constant dtype per call site, so its tests leave the inner loops */
+            if (dt == AE_BF16)
+                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_BF16, kt, ldk, vb,
+                           scores, ld_scores, acc);
+            else if (dt == AE_F32)
+                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_F32, kt, ldk, vb,
+                           scores, ld_scores, acc);
+            else
+                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_F16, kt, ldk, vb,
+                           scores, ld_scores, acc);
             for (int64_t g = 0; g < G; g++) {
                 char *dst = (char *)out + (t * o_st + (h * G + g) * o_sh) * es;
                 store_f32(dst, acc + g * D, D, dt);
