@@ -127,3 +127,26 @@ def test_config_resolves_and_checks_the_cpu_backend(tiny_llama: Path) -> None:
     assert explicit.model_config.attention_backend == "torch"
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on CPU devices only"):
         EngineConfig.from_kwargs(tiny_llama, device="cuda", attention_backend="cpu")
+
+
+def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
+    cpu_native.load_native.cache_clear()
+    try:
+        lib = cpu_native.load_native()
+        assert lib is not None and lib.path.parent == tmp_path / "native"
+        assert [p.name for p in lib.path.parent.iterdir()] == [lib.path.name]  # no temp file
+        cpu_native.load_native.cache_clear()
+        again = cpu_native.load_native()  # found in the cache: no rebuild
+        assert again is not None and again.path == lib.path
+        # A compiler that fails (and no cached library for this new "compiler"): torch path.
+        monkeypatch.setenv("CC", "false")
+        monkeypatch.setattr(cpu_native, "_compiler_version", lambda cc: b"broken")
+        cpu_native.load_native.cache_clear()
+        with caplog.at_level("WARNING"):
+            assert cpu_native.load_native() is None
+        assert "building the native CPU kernels failed" in caplog.text
+    finally:
+        cpu_native.load_native.cache_clear()
