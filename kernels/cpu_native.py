@@ -2,8 +2,8 @@
 
 The C file is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
 host CPU (`-march=native -fopenmp`): about a second, with no torch headers. The library is
-cached under `cache_dir()/native/`, named by a hash of the source, the flags, the compiler's
-version and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a
+cached under `cache_dir()/native/`, named by a hash of the source, the flags, the compiler
+binary and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a
 cache shared between different machines never runs code built for another CPU. A build writes
 a temporary file and renames it, so processes that build at once (tensor-parallel workers) do
 not see a half-written library.
@@ -166,15 +166,23 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # Builds of older sources are dead weight (a process still running one keeps its mapping).
+    for old in out_dir.glob(f"cpu_kernels-{platform.machine()}-*.so"):
+        if old != target:
+            old.unlink(missing_ok=True)
     logger.info("built the native CPU kernels: %s", target)
     return target
 
 
 def _compiler_version(cc: str) -> bytes:
+    # The resolved binary's identity stands in for `cc --version`, which would cost a
+    # subprocess at every engine start: an upgraded compiler is another file.
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        real = os.path.realpath(cc)
+        st = os.stat(real)
+    except OSError:
         return b""
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()
 
 
 def _cpu_flags() -> bytes:
