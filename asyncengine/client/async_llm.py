@@ -126,6 +126,8 @@ class AsyncLLM:
             client = ThreadCoreClient(self._config)
         self._core_client = client
         try:
+            # A spawned core imports torch and loads the model while we load the tokenizer.
+            await client.launch()
             self._tokenizer = await anyio.to_thread.run_sync(Tokenizer, model_dir)
             self._input_processor = InputProcessor(self._config.model_config, self._tokenizer)
             self._output_processor = OutputProcessor(self._tokenizer)

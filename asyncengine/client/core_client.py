@@ -72,6 +72,14 @@ class EngineCoreClient(ABC):
     num_kv_blocks: int = 0
     max_model_len: int = 0
 
+    async def launch(self) -> None:
+        """Set the core's start-up going without waiting for it; `start()` then waits.
+
+        Optional (`start()` launches a core not yet launched): it lets the caller do its own
+        start-up work while the core starts. A no-op where the core cannot start on its own.
+        """
+        return None
+
     @abstractmethod
     async def start(self) -> None:
         """Start the core and wait until it serves; EngineStartupError with the root cause."""
@@ -116,23 +124,35 @@ class ProcCoreClient(EngineCoreClient):
         self._output: zmq.Socket[bytes] | None = None
         self._input: zmq.Socket[bytes] | None = None
         self._encoder = MsgpackEncoder()
+        self._deadline = 0.0  # for READY, set when the core is spawned
         self._shut_down = False
 
     @property
     def socket_dir(self) -> Path:
         return self._socket_dir
 
+    async def launch(self) -> None:
+        try:
+            await self._launch()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+            raise
+
     async def start(self) -> None:
         try:
+            await self._launch()
             await self._start()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.shutdown()
             raise
 
-    async def _start(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        # 1. Bind the handshake and output sockets, then spawn the core.
+    async def _launch(self) -> None:
+        """Bind the handshake and output sockets, then spawn the core (once)."""
+        if self.proc is not None:
+            return
+        self._deadline = time.monotonic() + self.startup_timeout
         self._handshake = make_socket(self._ctx, self._handshake_address, zmq.ROUTER, bind=True)
         self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
         spawn = multiprocessing.get_context("spawn")
@@ -142,12 +162,16 @@ class ProcCoreClient(EngineCoreClient):
             name="AsyncEngineCore",
         )
         await anyio.to_thread.run_sync(self.proc.start)
-        # 2. HELLO → our addresses.
+
+    async def _start(self) -> None:
+        # 1. Sockets bound and the core spawned (_launch). 2. HELLO → our addresses.
+        handshake, deadline = self._handshake, self._deadline
+        assert handshake is not None
         identity, hello = await self._recv_handshake(deadline)
         if not isinstance(hello, HandshakeHello):
             raise EngineStartupError(f"engine core sent {type(hello).__name__} before HELLO")
         addresses = HandshakeAddresses(self.input_address, self._output_address)
-        self._handshake.send_multipart([identity, self._encoder.encode(addresses)])
+        handshake.send_multipart([identity, self._encoder.encode(addresses)])
         # 3. READY (model loaded, KV cache allocated) or FAILED with the root cause.
         _, message = await self._recv_handshake(deadline)
         if isinstance(message, HandshakeFailed):
@@ -156,7 +180,7 @@ class ProcCoreClient(EngineCoreClient):
             raise EngineStartupError(f"engine core sent {type(message).__name__}, not READY")
         self.num_kv_blocks = message.num_kv_blocks
         self.max_model_len = message.max_model_len
-        self._handshake.close()
+        handshake.close()
         # 4. The core has bound its input socket: connect to it.
         self._input = make_socket(self._ctx, self.input_address, zmq.PUSH, bind=False)
 
@@ -325,11 +349,15 @@ class ThreadCoreClient(EngineCoreClient):
 
     async def start(self) -> None:
         # The core pulls in torch: import it only when this client is used.
-        from asyncengine.core.engine_core import EngineCore
+        from asyncengine.core.engine_core import EngineCore, import_model_code
         from asyncengine.core.engine_core_proc import EngineCoreLoop, _describe
 
+        def build() -> EngineCore:
+            import_model_code(self.config, owns_process=False)
+            return EngineCore(self.config)
+
         try:
-            self.engine_core = await anyio.to_thread.run_sync(EngineCore, self.config)
+            self.engine_core = await anyio.to_thread.run_sync(build)
         except Exception as exc:
             await self.shutdown()
             raise EngineStartupError(f"engine core failed to start: {_describe(exc)}") from exc

@@ -20,11 +20,12 @@ from asyncengine.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # The core pulls in torch; the rest of client/ must not, so import it here.
-        from asyncengine.core.engine_core import EngineCore
+        from asyncengine.core.engine_core import EngineCore, import_model_code
 
         self.tokenizer = Tokenizer(config.model_config.model)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        import_model_code(config, owns_process=False)
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
 

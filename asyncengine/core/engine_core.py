@@ -19,6 +19,19 @@ from asyncengine.sched.scheduler import Scheduler, SchedulerStats
 logger = logging.getLogger(__name__)
 
 
+def import_model_code(config: EngineConfig, *, owns_process: bool) -> None:
+    """Import the model code that EngineCore(config) will run in this process, cheaply.
+
+    Most of an engine's start-up is importing torch and transformers; see
+    `asyncengine.model.loader.import_model_code` for what `owns_process` changes. A no-op when
+    tensor-parallel workers run the model in their own processes.
+    """
+    if config.parallel_config.distributed_executor_backend == "uni":
+        from asyncengine.model.loader import import_model_code as import_into_this_process
+
+        import_into_this_process(config.model_config, freeze=owns_process)
+
+
 class EngineCore:
     """Owns the scheduler and the executor; `step()` runs one batch."""
 

@@ -277,9 +277,9 @@ class EngineCoreProc:
 def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
     """Entry point of the spawned engine-core process.
 
-    1. signals and the parent watch, 2. HELLO, then the client's addresses (with a timeout),
-    3. build the EngineCore (READY, or FAILED with the root cause), 4. serve until told to stop.
-    Exits 0 on a clean shutdown, non-zero after a failure.
+    1. signals and the parent watch, 2. HELLO, 3. import the model code, 4. the client's
+    addresses (with a timeout), 5. build the EngineCore (READY, or FAILED with the root cause),
+    6. serve until told to stop. Exits 0 on a clean shutdown, non-zero after a failure.
     """
     _install_signal_handlers()
     _start_parent_watch()
@@ -290,9 +290,12 @@ def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
     exit_code = 0
     try:
         handshake.send(encoder.encode(HandshakeHello(pid=os.getpid())))
-        addresses = _receive_addresses(handshake)
         try:
-            engine_core = _build_engine_core(config_msg)
+            # The imports (most of the start-up) come before the addresses: the client loads
+            # its tokenizer meanwhile and answers HELLO afterwards.
+            config = _prepare_process(config_msg)
+            addresses = _receive_addresses(handshake)
+            engine_core = _build_engine_core(config)
             proc = EngineCoreProc(engine_core, ctx, addresses)
         except Exception as exc:
             logger.error("engine core failed to start: %s", _describe(exc))
@@ -335,13 +338,21 @@ def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
     return message
 
 
-def _build_engine_core(config_msg: bytes) -> EngineCore:
+def _prepare_process(config_msg: bytes) -> EngineConfig:
+    """Decode the config and import the model code (this process is the engine's own)."""
     from asyncengine.config import EngineConfig
-    from asyncengine.core.engine_core import EngineCore
-    from asyncengine.executor.process_setup import skip_triton_unless_used
+    from asyncengine.core.engine_core import import_model_code
+    from asyncengine.executor.process_setup import skip_unused_packages
 
     config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
-    skip_triton_unless_used(config.model_config)
+    skip_unused_packages(config.model_config)
+    import_model_code(config, owns_process=True)
+    return config
+
+
+def _build_engine_core(config: EngineConfig) -> EngineCore:
+    from asyncengine.core.engine_core import EngineCore
+
     return EngineCore(config)
 
 

@@ -85,10 +85,14 @@ def _start(
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
     from asyncengine.config import EngineConfig
-    from asyncengine.executor.process_setup import skip_triton_unless_used
+    from asyncengine.executor.process_setup import skip_unused_packages
 
     config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
-    skip_triton_unless_used(config.model_config)
+    skip_unused_packages(config.model_config)
+    from asyncengine.model.loader import import_model_code
+
+    # A worker process is the engine's own, like the core's: see import_model_code.
+    import_model_code(config.model_config, freeze=True)
 
     import torch
 

