@@ -64,6 +64,7 @@ class NativeKernels:
     reshape_and_cache: Callable[..., None]
     rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
+    argmax_rows: Callable[..., None]
 
 
 def compiler() -> str | None:
@@ -131,8 +132,15 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
         _i64, _i64, ctypes.c_int,  # rows, n, threads
     ]  # fmt: skip
+    argmax_rows = lib.ae_argmax_rows
+    argmax_rows.restype = None
+    argmax_rows.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int,  # x, row stride, rows, n, out, threads
+    ]  # fmt: skip
     return NativeKernels(
         path=path,
+        argmax_rows=argmax_rows,
         paged_decode=decode,
         reshape_and_cache=cache,
         rms_norm=rms_norm,

@@ -6,6 +6,8 @@ match transformers' to the last bit or within one rounding of the dtype:
 
 - `rms_norm_cpu(x, weight, eps)`: transformers' Llama-style RMSNorm (seven ops).
 - `silu_mul_cpu(gate, up)`: `silu(gate) * up`, the gated MLP's activation (two ops).
+- `argmax_cpu(x)`: torch.argmax over the rows of bf16/fp16/fp32 logits with no fp32 copy
+  (torch's CPU argmax is a scalar loop; an fp32 copy of 64 x 32000 logits costs ~1 ms).
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     native().silu_mul(
         DTYPE_CODES[gate.dtype], g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
         out.data_ptr(), n, g.shape[0], n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for a [B, V] tensor: first index of the maximum (or of a NaN)."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    native().argmax_rows(
+        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

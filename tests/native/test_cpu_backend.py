@@ -150,3 +150,17 @@ def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
         assert "building the native CPU kernels failed" in caplog.text
     finally:
         cpu_native.load_native.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_argmax_is_torch_argmax(dtype: torch.dtype) -> None:
+    from asyncengine.kernels.fused_cpu import argmax_cpu
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(9, 1000, generator=g) * 0.01).to(dtype)  # many ties in half precision
+    x[1, 7] = x[1, 900] = float("nan")  # the first NaN wins, as in torch
+    x[2, 999] = float("nan")  # a NaN in the tail, past the last full 16 lanes
+    x[3] = float("-inf")  # all -inf: index 0
+    x[4, 998] = 1e4  # the maximum in the tail
+    for rows in (x, x[:, 3:], x[:, :13], x[:0]):  # strided rows, a short row, no rows
+        assert torch.equal(argmax_cpu(rows), rows.float().argmax(dim=-1))
