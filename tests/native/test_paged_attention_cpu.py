@@ -7,15 +7,12 @@ group sizes (including ones that are not powers of two), head sizes 16 to 128, b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.paged_attention import paged_attention_torch, plan_paged_attention_torch
 from asyncengine.kernels.paged_attention_cpu import (
     paged_attention_cpu,
     plan_paged_attention_cpu,
@@ -23,7 +20,13 @@ from asyncengine.kernels.paged_attention_cpu import (
     reshape_and_cache_cpu,
     to_cpu_layout,
 )
-from asyncengine.kernels.reshape_and_cache import reshape_and_cache_torch
+from asyncengine.testing.paged_batches import (
+    PagedBatch,
+    dense_attention,
+    make_paged_batch,
+    max_error,
+    torch_reference,
+)
 
 pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
 
@@ -33,102 +36,20 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@dataclass
-class Batch:
-    query: torch.Tensor  # [T, H_q, D]
-    key: torch.Tensor  # [T, H_kv, D]
-    value: torch.Tensor
-    ref_cache: torch.Tensor  # reference layout, this step's K/V written by the torch writer
-    cpu_cache: torch.Tensor  # the cpu backend's layout, written by the native writer
-    slots: torch.Tensor
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_table: torch.Tensor  # [B, max_blocks]
-    block_size: int
+def cpu_cache(b: PagedBatch) -> torch.Tensor:
+    """The batch's cache in the cpu backend's layout, this step's K/V written natively."""
+    cache = to_cpu_layout(b.base_cache)
+    reshape_and_cache_cpu(b.key, b.value, cache, b.slot_mapping)
+    return cache
 
 
-def make_batch(
-    q_lens: list[int],
-    seq_lens: list[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int,
-) -> Batch:
-    """A packed batch whose sequences own shuffled cache blocks (plus unused ones)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    order = torch.randperm(num_blocks, generator=g)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int64)
-    used = 0
-    for i, nb in enumerate(blocks_per_seq):
-        block_table[i, :nb] = order[used : used + nb]
-        used += nb
-    base = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
-    total = sum(q_lens)
-    query = torch.randn(total, num_q_heads, head_dim, generator=g).to(dtype)
-    key = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
-    value = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
-    slots = []
-    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        pos = torch.arange(seq_len - q_len, seq_len)
-        slots.append(block_table[i, pos // block_size] * block_size + pos % block_size)
-    slot_mapping = torch.cat(slots)
-    ref_cache = base.clone()
-    reshape_and_cache_torch(key, value, ref_cache, slot_mapping)
-    cpu_cache = to_cpu_layout(base)
-    reshape_and_cache_cpu(key, value, cpu_cache, slot_mapping)
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    return Batch(
-        query, key, value, ref_cache, cpu_cache, slot_mapping, starts, seq_lens, block_table,
-        block_size,
-    )  # fmt: skip
-
-
-def dense_truth(b: Batch, scale: float) -> torch.Tensor:  # [T, H_q, D] fp32
-    """Causal attention per sequence on fp32 copies of the gathered reference cache."""
-    num_kv_heads, _, block_size, head_dim = b.ref_cache.shape[1:]
-    group = b.query.shape[1] // num_kv_heads
-    flat = b.ref_cache.float().view(2, num_kv_heads, -1, head_dim)
-    out = torch.empty(b.query.shape, dtype=torch.float32)
-    for i, seq_len in enumerate(b.seq_lens):
-        start, end = b.query_start_loc[i], b.query_start_loc[i + 1]
-        pos = torch.arange(seq_len)
-        slots = b.block_table[i, pos // block_size] * block_size + pos % block_size
-        kv = flat[:, :, slots]  # [2, H_kv, S, D]
-        k = kv[0].repeat_interleave(group, 0)
-        v = kv[1].repeat_interleave(group, 0)
-        q = b.query[start:end].float().transpose(0, 1)  # [H_q, q_len, D]
-        scores = q @ k.transpose(1, 2) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
-    return out
-
-
-def run_cpu(b: Batch, scale: float) -> torch.Tensor:
+def run_cpu(b: PagedBatch, scale: float) -> torch.Tensor:
     plan = plan_paged_attention_cpu(
         b.query_start_loc, b.seq_lens, b.block_table, b.block_size, b.query.dtype
     )
-    out = paged_attention_cpu(b.query, b.key, b.value, b.cpu_cache, plan, scale)
+    out = paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, scale)
     assert out.dtype == b.query.dtype and out.shape == b.query.shape
     return out
-
-
-def run_torch(b: Batch, scale: float) -> torch.Tensor:
-    plan = plan_paged_attention_torch(
-        b.query_start_loc, b.seq_lens, b.block_table, b.block_size, b.query.dtype
-    )
-    return paged_attention_torch(b.query, b.key, b.value, b.ref_cache, plan, scale)
-
-
-def max_error(out: torch.Tensor, truth: torch.Tensor) -> float:
-    return float((out.float() - truth).abs().max())
 
 
 # A sequence: (kind, query tokens, cached prefix).
@@ -166,34 +87,34 @@ def test_matches_reference_and_truth(
 ) -> None:
     q_lens = [q for _, q, _ in seqs]
     seq_lens = [q + prefix for _, q, prefix in seqs]
-    b = make_batch(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed)
+    b = make_paged_batch(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed)
     scale = head_dim**-0.5
     # The native writer produces exactly the reference cache, in its own layout.
-    assert torch.equal(read_cache_cpu(b.cpu_cache), b.ref_cache)
-    truth = dense_truth(b, scale)
+    assert torch.equal(read_cache_cpu(cpu_cache(b)), b.kv_cache)
+    truth = dense_attention(b, scale)
     out = run_cpu(b, scale)
     assert max_error(out, truth) <= TOLERANCE[dtype]
     # And no worse than the torch reference (plus one rounding of the output dtype).
-    ref_error = max_error(run_torch(b, scale), truth)
+    ref_error = max_error(torch_reference(b, scale), truth)
     assert max_error(out, truth) <= ref_error + TOLERANCE[dtype] / 2
 
 
 def test_strided_query_and_fp32_exactness() -> None:
     # transformers hands over [1, H, T, D] views of [T, H, D] memory: the kernel reads strides.
-    b = make_batch([1, 1, 3], [40, 1, 20], 8, 2, 32, 16, torch.float32, seed=3)
+    b = make_paged_batch([1, 1, 3], [40, 1, 20], 8, 2, 32, 16, torch.float32, seed=3)
     q_strided = b.query.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D], odd strides
     assert not q_strided.is_contiguous()
     plan = plan_paged_attention_cpu(b.query_start_loc, b.seq_lens, b.block_table, 16, torch.float32)
-    out = paged_attention_cpu(q_strided, b.key, b.value, b.cpu_cache, plan, 0.2)
-    torch.testing.assert_close(out, dense_truth(b, 0.2), rtol=1e-5, atol=1e-5)
+    out = paged_attention_cpu(q_strided, b.key, b.value, cpu_cache(b), plan, 0.2)
+    torch.testing.assert_close(out, dense_attention(b, 0.2), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_over_long_context_and_many_threads() -> None:
-    b = make_batch([1] * 5, [1, 15, 16, 17, 2049], 4, 2, 64, 16, torch.bfloat16, seed=7)
+    b = make_paged_batch([1] * 5, [1, 15, 16, 17, 2049], 4, 2, 64, 16, torch.bfloat16, seed=7)
     plan = plan_paged_attention_cpu(b.query_start_loc, b.seq_lens, b.block_table, 16, b.query.dtype)
     plan.num_threads = 3  # more threads than this machine's cores still splits the work
-    out = paged_attention_cpu(b.query, b.key, b.value, b.cpu_cache, plan, 0.125)
-    assert max_error(out, dense_truth(b, 0.125)) <= TOLERANCE[torch.bfloat16]
+    out = paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, 0.125)
+    assert max_error(out, dense_attention(b, 0.125)) <= TOLERANCE[torch.bfloat16]
 
 
 def test_negative_slots_are_skipped() -> None:
