@@ -98,6 +98,14 @@ def load_native() -> NativeKernels | None:
     return _bind(lib, path)
 
 
+def require_native() -> NativeKernels:
+    """`load_native()`, for callers that were only chosen because it is available."""
+    lib = load_native()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable (see the earlier warning)")
+    return lib
+
+
 def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
     decode = lib.ae_paged_decode
     decode.restype = None

@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.kernels.cpu_native import DTYPE_CODES, NativeKernels, load_native
-
-
-def native() -> NativeKernels:
-    lib = load_native()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels are unavailable (see the earlier warning)")
-    return lib
+from asyncengine.kernels.cpu_native import DTYPE_CODES, require_native
 
 
 def supported(*tensors: torch.Tensor) -> bool:
@@ -37,7 +30,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as a new tensor like `x`."""
     rows = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
-    native().rms_norm(
+    require_native().rms_norm(
         DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), out.data_ptr(), x.shape[-1],
         weight.contiguous().data_ptr(), rows.shape[0], x.shape[-1], eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -49,7 +42,7 @@ def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
     g, u = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    native().silu_mul(
+    require_native().silu_mul(
         DTYPE_CODES[gate.dtype], g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
         out.data_ptr(), n, g.shape[0], n, torch.get_num_threads(),
     )  # fmt: skip
@@ -60,7 +53,7 @@ def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for a [B, V] tensor: first index of the maximum (or of a NaN)."""
     rows = _rows(x)
     out = torch.empty(rows.shape[0], dtype=torch.int64)
-    native().argmax_rows(
+    require_native().argmax_rows(
         DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.kernels.cpu_native import DTYPE_CODES, NativeKernels, load_native
+from asyncengine.kernels.cpu_native import DTYPE_CODES, require_native
 from asyncengine.kernels.paged_attention import _Prefill, attend_prefills, plan_prefills
 
 
@@ -30,13 +30,6 @@ class CpuAttentionPlan:
     decode_seq_lens: torch.Tensor  # [Bd] int32 their context lengths
     prefills: list[_Prefill]
     num_threads: int
-
-
-def native() -> NativeKernels:
-    lib = load_native()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels are unavailable (see the earlier warning)")
-    return lib
 
 
 def plan_paged_attention_cpu(
@@ -74,7 +67,7 @@ def paged_attention_cpu(
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
         q = _rows_contiguous(query.to(kv_cache.dtype))
         out = output if output.dtype == kv_cache.dtype else torch.empty_like(q)
-        native().paged_decode(
+        require_native().paged_decode(
             DTYPE_CODES[kv_cache.dtype],
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
@@ -106,7 +99,7 @@ def reshape_and_cache_cpu(
     v = _rows_contiguous(value.to(kv_cache.dtype))
     slots = slot_mapping.to(torch.int64).contiguous()
     num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-    native().reshape_and_cache(
+    require_native().reshape_and_cache(
         DTYPE_CODES[kv_cache.dtype],
         k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1),
