@@ -49,6 +49,9 @@ CFLAGS = (
     "-fno-trapping-math",
 )
 DISABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
+# -march for the build, "native" unless set: e.g. "x86-64-v3" for a cache shared between
+# machines, or "x86-64" to exercise the kernels' portable (non-AVX-512) code paths.
+MARCH_ENV = "ASYNCENGINE_NATIVE_MARCH"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64 = ctypes.c_int64
@@ -158,8 +161,10 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
 
 def _build(cc: str) -> Path:
     source = SOURCE.read_bytes()
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CFLAGS)
     key = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS).encode(), _compiler_version(cc), _cpu_flags()):
+    for part in (source, " ".join(flags).encode(), _compiler_version(cc), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
     out_dir = cache_dir() / "native"
@@ -171,7 +176,7 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE)],
+            [cc, *flags, "-o", tmp, str(SOURCE)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -483,11 +483,14 @@ static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
     m = _mm512_reduce_max_ps(vm);
     nan = unordered != 0;
 #endif
-    float tail[LANES];
-    load_f32(p + i * es, tail, n - i, dt);
-    for (int64_t t = 0; t < n - i; t++) {
-        m = tail[t] > m ? tail[t] : m;
-        nan |= tail[t] != tail[t];
+    for (; i < n; i += LANES) { /* the rest (everything, without AVX-512), 16 at a time */
+        const int64_t c = n - i < LANES ? n - i : LANES;
+        float chunk[LANES];
+        load_f32(p + i * es, chunk, c, dt);
+        for (int64_t t = 0; t < c; t++) {
+            m = chunk[t] > m ? chunk[t] : m;
+            nan |= chunk[t] != chunk[t];
+        }
     }
     int64_t j = 0;
 #ifdef __AVX512F__

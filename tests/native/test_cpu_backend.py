@@ -7,6 +7,7 @@ the model's logits. Where the kernels can't be built the backend is the torch re
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -164,3 +165,36 @@ def test_native_argmax_is_torch_argmax(dtype: torch.dtype) -> None:
     x[4, 998] = 1e4  # the maximum in the tail
     for rows in (x, x[:, 3:], x[:, :13], x[:0]):  # strided rows, a short row, no rows
         assert torch.equal(argmax_cpu(rows), rows.float().argmax(dim=-1))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march names")
+def test_portable_build_without_avx512(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The AVX-512 paths are #ifdef'd; this machine would never run the others otherwise.
+    from asyncengine.kernels.fused_cpu import argmax_cpu
+    from asyncengine.kernels.paged_attention_cpu import (
+        paged_attention_cpu,
+        plan_paged_attention_cpu,
+        reshape_and_cache_cpu,
+        to_cpu_layout,
+    )
+    from asyncengine.testing.paged_batches import dense_attention, make_paged_batch
+
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_native.MARCH_ENV, "x86-64")
+    cpu_native.load_native.cache_clear()
+    try:
+        lib = cpu_native.load_native()
+        assert lib is not None
+        x = torch.randn(5, 1003, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+        x[2, 1001] = float("nan")
+        assert torch.equal(argmax_cpu(x), x.float().argmax(dim=-1))
+        b = make_paged_batch([1, 1, 4], [40, 17, 30], 6, 2, 64, 16, torch.bfloat16, seed=5)
+        cache = to_cpu_layout(b.base_cache)
+        reshape_and_cache_cpu(b.key, b.value, cache, b.slot_mapping)
+        plan = plan_paged_attention_cpu(
+            b.query_start_loc, b.seq_lens, b.block_table, 16, b.query.dtype
+        )
+        out = paged_attention_cpu(b.query, b.key, b.value, cache, plan, 0.125)
+        assert float((out.float() - dense_attention(b, 0.125)).abs().max()) <= 1.6e-2
+    finally:
+        cpu_native.load_native.cache_clear()
