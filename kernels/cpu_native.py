@@ -164,7 +164,7 @@ def _build(cc: str) -> Path:
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CFLAGS)
     key = hashlib.sha256()
-    for part in (source, " ".join(flags).encode(), _compiler_version(cc), _cpu_flags()):
+    for part in (source, " ".join(flags).encode(), _compiler_identity(cc), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
     out_dir = cache_dir() / "native"
@@ -195,7 +195,7 @@ def _build(cc: str) -> Path:
     return target
 
 
-def _compiler_version(cc: str) -> bytes:
+def _compiler_identity(cc: str) -> bytes:
     # The resolved binary's identity stands in for `cc --version`, which would cost a
     # subprocess at every engine start: an upgraded compiler is another file.
     try:

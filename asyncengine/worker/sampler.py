@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.fused_cpu import argmax_cpu, supported
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 
 # Uniform noise is clamped into [_TINY, _ONE_BELOW] so that -log(u) is finite and > 0: a zero
@@ -253,13 +255,10 @@ def fast_argmax(x: torch.Tensor) -> torch.Tensor:
     dtype (an fp32 copy of bf16 logits alone cost ~1 ms a step). Without them: a vectorised max
     per chunk of 128, an argmax over the chunk maxima and one within the winning chunk.
     """
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[-1]:
-        from asyncengine.kernels.cpu_native import load_native
-        from asyncengine.kernels.fused_cpu import argmax_cpu, supported
-
-        if load_native() is not None and supported(x):
-            out: torch.Tensor = argmax_cpu(x)
-            return out
+    native = x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] and supported(x)
+    if native and load_native() is not None:
+        out: torch.Tensor = argmax_cpu(x)
+        return out
     if x.device.type != "cpu" or x.shape[-1] % _ARGMAX_CHUNK:
         return x.float().argmax(dim=-1)
     rows = x.shape[0]

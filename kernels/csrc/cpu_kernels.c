@@ -1,5 +1,6 @@
 /*
- * asyncengine's native CPU kernels: paged-attention decode and the paged cache write.
+ * asyncengine's native CPU kernels: paged-attention decode, the paged cache write, RMSNorm,
+ * SiLU-and-multiply and a row argmax.
  *
  * Built on first use by kernels/cpu_native.py with the system C compiler
  * (`cc -O3 -march=native -fopenmp`) and called through ctypes, so no torch headers are needed
@@ -12,7 +13,8 @@
  * round for the weighted sum. Only these kernels and the "cpu" backend's Python code read a
  * cache written in this layout (kernels/paged_attention_cpu.py).
  *
- * Arithmetic is fp32 throughout (loads upcast, one rounding at the store), whatever the dtype.
+ * Attention arithmetic is fp32 throughout (loads upcast, one rounding at the store); RMSNorm
+ * and SiLU-mul round to the dtype where torch's op chains do.
  */
 
 #include <math.h>

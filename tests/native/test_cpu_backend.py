@@ -144,7 +144,7 @@ def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
         assert again is not None and again.path == lib.path
         # A compiler that fails (and no cached library for this new "compiler"): torch path.
         monkeypatch.setenv("CC", "false")
-        monkeypatch.setattr(cpu_native, "_compiler_version", lambda cc: b"broken")
+        monkeypatch.setattr(cpu_native, "_compiler_identity", lambda cc: b"broken")
         cpu_native.load_native.cache_clear()
         with caplog.at_level("WARNING"):
             assert cpu_native.load_native() is None
