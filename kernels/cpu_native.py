@@ -63,7 +63,7 @@ class NativeKernels:
     """The loaded library's entry points (see the C file for their contracts)."""
 
     path: Path
-    paged_decode: Callable[..., None]
+    paged_attention: Callable[..., None]
     reshape_and_cache: Callable[..., None]
     rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
@@ -110,14 +110,15 @@ def require_native() -> NativeKernels:
 
 
 def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
-    decode = lib.ae_paged_decode
-    decode.restype = None
-    decode.argtypes = [
+    attention = lib.ae_paged_attention
+    attention.restype = None
+    attention.argtypes = [
         ctypes.c_int,  # dtype code
         _ptr, _i64, _i64,  # query, token stride, head stride
         _ptr, _i64, _i64,  # out, token stride, head stride
         _ptr, _i64, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D, group
-        _ptr, _ptr, _i64, _ptr, _i64,  # token_idx, block_table, its stride, seq_lens, count
+        _ptr, _ptr, _ptr,  # q_start (int64), q_lens, seq_lens (int32)
+        _ptr, _i64, _i64,  # block_table (int32), its row stride, sequences
         ctypes.c_float, ctypes.c_int,  # scale, threads
     ]  # fmt: skip
     cache = lib.ae_reshape_and_cache
@@ -152,7 +153,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
     return NativeKernels(
         path=path,
         argmax_rows=argmax_rows,
-        paged_decode=decode,
+        paged_attention=attention,
         reshape_and_cache=cache,
         rms_norm=rms_norm,
         silu_mul=silu_mul,

@@ -5,30 +5,39 @@ each key block is stored transposed, `[D, block_size]` inside the `[2, H_kv, num
 block_size, D]` tensor (see the C file for why). `reshape_and_cache_cpu` writes that layout and
 everything here reads it, so a cache must be written and read by this backend alone.
 
-- Decodes (one query token) run in the C kernel, which reads the K/V blocks where they lie:
-  no gather copy, fp32 scores and softmax, parallel over (sequence, KV head).
-- Prefill chunks run torch's SDPA, as in the reference (its flash kernel is GEMM-based, which
-  suits many query tokens); a cached prefix is gathered and its key blocks transposed back.
+- Decodes and prefill chunks of up to NATIVE_MAX_QUERY_LEN query tokens run in the C kernel,
+  which reads the K/V blocks where they lie (a cached prefix needs no gather), in parallel over
+  (sequence, tile of query tokens, KV head) with fp32 scores and softmax. A tile's tokens share
+  each key and value row loaded; one call covers the whole batch.
+- Longer chunks run torch's SDPA, as in the reference: its GEMM-based flash kernel wins on long
+  query blocks. A cached prefix is gathered with its key blocks transposed back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncengine.kernels.cpu_native import DTYPE_CODES, require_native
 from asyncengine.kernels.paged_attention import _Prefill, attend_prefills, plan_prefills
+
+# Sequences with at most this many query tokens (decodes, short prefill chunks) attend in the C
+# kernel; longer chunks go to SDPA, whose GEMM-based flash kernel wins on long query blocks.
+NATIVE_MAX_QUERY_LEN = 512
 
 
 @dataclass(slots=True)
 class CpuAttentionPlan:
     """One step's attention layout, shared by every layer."""
 
-    decode_token_idx: torch.Tensor  # [Bd] int64 packed positions of single-token queries
-    decode_block_table: torch.Tensor  # [Bd, nb] int32 their block ids
-    decode_seq_lens: torch.Tensor  # [Bd] int32 their context lengths
-    prefills: list[_Prefill]
+    # The sequences attended natively: packed start row, query tokens, context length, blocks.
+    q_start: torch.Tensor  # [Bn] int64
+    q_lens: torch.Tensor  # [Bn] int32
+    seq_lens: torch.Tensor  # [Bn] int32
+    block_table: torch.Tensor  # [Bn, nb] int32
+    prefills: list[_Prefill]  # the longer chunks, for SDPA
     num_threads: int
 
 
@@ -38,16 +47,32 @@ def plan_paged_attention_cpu(
     block_table: torch.Tensor,  # [B, max_blocks] int64
     block_size: int,
     dtype: torch.dtype,
+    native_max_query_len: int = NATIVE_MAX_QUERY_LEN,
 ) -> CpuAttentionPlan:
-    decode_rows = [
-        i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1
-    ]
-    nb = -(-max((seq_lens[i] for i in decode_rows), default=0) // block_size)
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    q_lens = np.diff(starts)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    native = np.flatnonzero(q_lens <= native_max_query_len)
+    long_rows = np.flatnonzero(q_lens > native_max_query_len)
+    nb = -(-int(lens[native].max(initial=0)) // block_size)
+    prefills: list[_Prefill] = []
+    if long_rows.size:
+        # plan_prefills keeps the sequences with more than one query token: pass it only these.
+        sub_loc = [0]
+        for i in long_rows.tolist():
+            sub_loc.append(sub_loc[-1] + int(q_lens[i]))
+        rows = torch.from_numpy(long_rows)
+        prefills = plan_prefills(
+            sub_loc, lens[long_rows].tolist(), block_table[rows], block_size, dtype
+        )
+        for p, i in zip(prefills, long_rows.tolist(), strict=True):
+            p.start, p.end = int(starts[i]), int(starts[i + 1])
     return CpuAttentionPlan(
-        decode_token_idx=torch.tensor([query_start_loc[i] for i in decode_rows], dtype=torch.int64),
-        decode_block_table=block_table[decode_rows, :nb].to(torch.int32).contiguous(),
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_rows], dtype=torch.int32),
-        prefills=plan_prefills(query_start_loc, seq_lens, block_table, block_size, dtype),
+        q_start=torch.from_numpy(starts[native]),
+        q_lens=torch.from_numpy(q_lens[native].astype(np.int32)),
+        seq_lens=torch.from_numpy(lens[native].astype(np.int32)),
+        block_table=block_table[torch.from_numpy(native), :nb].to(torch.int32).contiguous(),
+        prefills=prefills,
         num_threads=torch.get_num_threads(),
     )
 
@@ -60,31 +85,26 @@ def paged_attention_cpu(
     plan: CpuAttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, H_q, D]
-    output = torch.empty(query.shape, dtype=query.dtype)
-    num_decodes = plan.decode_token_idx.numel()
-    if num_decodes:
-        _check_cache(kv_cache)
+    _check_cache(kv_cache)
+    q = _rows_contiguous(query.to(kv_cache.dtype))
+    # The kernel writes the rows of the sequences it attends; SDPA the rest.
+    output = torch.empty(q.shape, dtype=kv_cache.dtype)
+    num_native = plan.q_start.numel()
+    if num_native:
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-        q = _rows_contiguous(query.to(kv_cache.dtype))
-        out = output if output.dtype == kv_cache.dtype else torch.empty_like(q)
-        require_native().paged_decode(
+        require_native().paged_attention(
             DTYPE_CODES[kv_cache.dtype],
             q.data_ptr(), q.stride(0), q.stride(1),
-            out.data_ptr(), out.stride(0), out.stride(1),
+            output.data_ptr(), output.stride(0), output.stride(1),
             kv_cache.data_ptr(), num_kv_heads, num_blocks, block_size, head_dim,
             query.shape[1] // num_kv_heads,
-            plan.decode_token_idx.data_ptr(),
-            plan.decode_block_table.data_ptr(), plan.decode_block_table.stride(0),
-            plan.decode_seq_lens.data_ptr(), num_decodes,
+            plan.q_start.data_ptr(), plan.q_lens.data_ptr(), plan.seq_lens.data_ptr(),
+            plan.block_table.data_ptr(), plan.block_table.stride(0), num_native,
             scale, plan.num_threads,
         )  # fmt: skip
-        if out is not output:
-            output[plan.decode_token_idx] = out[plan.decode_token_idx].to(output.dtype)
     if plan.prefills:
-        attend_prefills(
-            query, key, value, kv_cache, plan.prefills, scale, output, keys_transposed=True
-        )
-    return output
+        attend_prefills(q, key, value, kv_cache, plan.prefills, scale, output, keys_transposed=True)
+    return output if output.dtype == query.dtype else output.to(query.dtype)
 
 
 def reshape_and_cache_cpu(

@@ -1,6 +1,6 @@
 /*
- * asyncengine's native CPU kernels: paged-attention decode, the paged cache write, RMSNorm,
- * SiLU-and-multiply and a row argmax.
+ * asyncengine's native CPU kernels: paged attention (decodes and prefill chunks), the paged
+ * cache write, RMSNorm, SiLU-and-multiply and a row argmax.
  *
  * Built on first use by kernels/cpu_native.py with the system C compiler
  * (`cc -O3 -march=native -fopenmp`) and called through ctypes, so no torch headers are needed
@@ -201,119 +201,157 @@ DEFINE_SCORES(1)
 DEFINE_SCORES(2)
 DEFINE_SCORES(3)
 DEFINE_SCORES(4)
+DEFINE_SCORES(8)
 DEFINE_VALUES(1)
 DEFINE_VALUES(2)
 DEFINE_VALUES(3)
 DEFINE_VALUES(4)
+DEFINE_VALUES(8)
 
 /* The general path's scores: any block size, from an fp32 copy of the transposed key block
  * (kt, [D][ldk], ldk a multiple of 16 with zero padding). */
-static void scores_any(const float *restrict q, int64_t G, int64_t D, const float *restrict kt,
+static void scores_any(const float *restrict q, int64_t R, int64_t D, const float *restrict kt,
                        int64_t ldk, int64_t n, float *restrict out, int64_t ld_out) {
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t r = 0; r < R; r++) {
         for (int64_t j0 = 0; j0 < n; j0 += LANES) {
             v16f acc = (v16f){0};
-            for (int64_t d = 0; d < D; d++) acc += q[g * D + d] * load16(kt + d * ldk + j0);
+            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * load16(kt + d * ldk + j0);
             float tmp[LANES];
             memcpy(tmp, &acc, sizeof tmp);
             const int64_t m = n - j0 < LANES ? n - j0 : LANES;
-            memcpy(out + g * ld_out + j0, tmp, (size_t)m * sizeof(float));
+            memcpy(out + r * ld_out + j0, tmp, (size_t)m * sizeof(float));
         }
     }
 }
 
+/* Ask for the `bytes` at p to be in cache soon (one request per 64-byte line). */
+static inline void prefetch_bytes(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /*
- * One (sequence, KV head) of a decode: G query heads attend over `len` cached tokens.
- * q: [G][D] fp32, already scaled. scores: [G][ld_scores] scratch. acc: [G][D] output.
+ * One tile of a sequence for one KV head: R = NT * G query rows (NT consecutive query tokens,
+ * each with the head's G query heads; row r is token r / G) attend over the first row_len[r / G]
+ * cached tokens (causal: a later token sees more), len_max = row_len[NT - 1].
+ * q: [R][D] fp32, already scaled. scores: [R][ld_scores] scratch. acc: [R][D] output.
  * Block size 16 with D a multiple of 16 (the usual case) reads the cache directly; anything
  * else goes through fp32 copies of each block (kt: [D][ldk] zero-padded, vb: [bs][D]).
+ *
+ * The scores pass prefetches the next key block and this block's value block: blocks are
+ * scattered over the cache, so the hardware prefetcher would stall at the start of each.
  */
-static inline __attribute__((always_inline)) void decode_one(
-                       const float *restrict q, int64_t G, int64_t D, int64_t bs, int64_t len,
+static inline __attribute__((always_inline)) void attend_tile(
+                       const float *restrict q, int64_t R, int64_t G, int64_t D, int64_t bs,
+                       const int64_t *row_len, int64_t len_max,
                        const char *k_head, const char *v_head, const int32_t *blocks, int dt,
                        float *restrict kt, int64_t ldk, float *restrict vb,
                        float *restrict scores, int64_t ld_scores, float *restrict acc) {
     const int64_t es = elem_size(dt);
     const int64_t block_bytes = bs * D * es;
-    const int64_t nblk = (len + bs - 1) / bs;
+    const int64_t nblk = (len_max + bs - 1) / bs;
     const int fast = bs == LANES && D % LANES == 0;
-    /* 1. scores = q . k for every cached key, one block at a time */
+    /* 1. scores = q . k for every visible key, one block at a time */
     for (int64_t b = 0; b < nblk; b++) {
-        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t n = len_max - b * bs < bs ? len_max - b * bs : bs;
         const char *kblock = k_head + (int64_t)blocks[b] * block_bytes;
+        if (b + 1 < nblk) prefetch_bytes(k_head + (int64_t)blocks[b + 1] * block_bytes, block_bytes);
+        prefetch_bytes(v_head + (int64_t)blocks[b] * block_bytes, n * D * es);
         float *out = scores + b * bs;
         if (!fast) {
             for (int64_t d = 0; d < D; d++) load_f32(kblock + d * bs * es, kt + d * ldk, bs, dt);
-            scores_any(q, G, D, kt, ldk, n, out, ld_scores);
+            scores_any(q, R, D, kt, ldk, n, out, ld_scores);
             continue;
         }
-        int64_t g = 0;
-        for (; g + 4 <= G; g += 4) scores_4(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
-        if (G - g == 3) scores_3(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
-        if (G - g == 2) scores_2(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
-        if (G - g == 1) scores_1(q + g * D, D, kblock, dt, n, out + g * ld_scores, ld_scores);
+        int64_t r = 0;
+        for (; r + 8 <= R; r += 8) scores_8(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
+        if (R - r >= 4) {
+            scores_4(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
+            r += 4;
+        }
+        if (R - r == 3) scores_3(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
+        if (R - r == 2) scores_2(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
+        if (R - r == 1) scores_1(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
     }
-    /* 2. softmax over each query head's scores, in place */
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * ld_scores;
+    /* 2. softmax over each row's visible scores, in place; zero past them (up to len_max), so
+     * the values pass can run every row over len_max keys */
+    for (int64_t r = 0; r < R; r++) {
+        float *sr = scores + r * ld_scores;
+        const int64_t len = row_len[r / G];
         float m = -INFINITY;
-        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+        for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < len; j++) {
-            const float e = exp_nonpositive(sg[j] - m);
-            sg[j] = e;
+            const float e = exp_nonpositive(sr[j] - m);
+            sr[j] = e;
             sum += e;
         }
         const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+        for (int64_t j = 0; j < len; j++) sr[j] *= inv;
+        for (int64_t j = len; j < len_max; j++) sr[j] = 0.0f;
     }
     /* 3. acc = probs . v */
     if (fast) {
         for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-            int64_t g = 0;
+            int64_t r = 0;
             const float *p = scores;
-            for (; g + 4 <= G; g += 4)
-                values_4(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
-            if (G - g == 3)
-                values_3(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
-            if (G - g == 2)
-                values_2(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
-            if (G - g == 1)
-                values_1(p + g * ld_scores, ld_scores, D, d0, bs, len, v_head, blocks, dt, acc + g * D);
+            for (; r + 8 <= R; r += 8)
+                values_8(p + r * ld_scores, ld_scores, D, d0, bs, len_max, v_head, blocks, dt, acc + r * D);
+            if (R - r >= 4) {
+                values_4(p + r * ld_scores, ld_scores, D, d0, bs, len_max, v_head, blocks, dt, acc + r * D);
+                r += 4;
+            }
+            if (R - r == 3)
+                values_3(p + r * ld_scores, ld_scores, D, d0, bs, len_max, v_head, blocks, dt, acc + r * D);
+            if (R - r == 2)
+                values_2(p + r * ld_scores, ld_scores, D, d0, bs, len_max, v_head, blocks, dt, acc + r * D);
+            if (R - r == 1)
+                values_1(p + r * ld_scores, ld_scores, D, d0, bs, len_max, v_head, blocks, dt, acc + r * D);
         }
         return;
     }
-    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
     for (int64_t b = 0; b < nblk; b++) {
-        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t n = len_max - b * bs < bs ? len_max - b * bs : bs;
         load_f32(v_head + (int64_t)blocks[b] * block_bytes, vb, n * D, dt);
-        for (int64_t g = 0; g < G; g++) {
-            const float *p = scores + g * ld_scores + b * bs;
-            float *restrict ag = acc + g * D;
+        for (int64_t r = 0; r < R; r++) {
+            const float *p = scores + r * ld_scores + b * bs;
+            float *restrict ar = acc + r * D;
             for (int64_t j = 0; j < n; j++) {
                 const float pj = p[j];
                 const float *restrict vrow = vb + j * D;
-                for (int64_t d = 0; d < D; d++) ag[d] += pj * vrow[d];
+                for (int64_t d = 0; d < D; d++) ar[d] += pj * vrow[d];
             }
         }
     }
 }
 
+/* Query tokens per tile for G query heads per KV head: about 16 rows, which share each key
+ * and value row loaded (a decode is a tile of one token). */
+static inline int64_t tile_tokens(int64_t G) {
+    const int64_t t = 16 / G;
+    return t < 1 ? 1 : (t > 8 ? 8 : t);
+}
+
 /*
- * Decode attention for `num_seqs` single-token queries.
+ * Causal attention for num_seqs sequences of a packed batch, over the paged cache.
  *
- * query/out: [T, H_q, D] with element strides (token, head); D contiguous. Row token_idx[i]
- * of both belongs to sequence i, whose seq_lens[i] tokens (the new one included, already in
- * the cache) live in blocks block_table[i * bt_stride + 0 ..]. H_q = H_kv * group.
+ * Sequence i has q_lens[i] query tokens at packed rows q_start[i] .. of query/out, the last
+ * q_lens[i] of its seq_lens[i] tokens (all of them already in the cache, the new ones
+ * included); its blocks are block_table[i * bt_stride + 0 ..]. query/out: [T, H_q, D] with
+ * element strides (token, head), D contiguous; H_q = H_kv * group. Rows of other sequences
+ * are left alone. Work is split into (sequence, tile of query tokens, KV head) items, run in
+ * parallel.
  */
-void ae_paged_decode(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
-                     int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
-                     int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
-                     const int64_t *token_idx, const int32_t *block_table, int64_t bt_stride,
-                     const int32_t *seq_lens, int64_t num_seqs, float scale, int num_threads) {
+void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
+                        int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
+                        const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                        const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
+                        float scale, int num_threads) {
     const int64_t es = elem_size(dt);
     const int64_t D = head_dim, G = group, bs = block_size;
+    const int64_t TQ = tile_tokens(G);
     const int64_t head_bytes = num_blocks * bs * D * es;
     const char *k_base = (const char *)kv_cache;
     const char *v_base = k_base + num_kv_heads * head_bytes;
@@ -322,40 +360,60 @@ void ae_paged_decode(int dt, const void *query, int64_t q_st, int64_t q_sh, void
     const int64_t ldk = (bs + LANES - 1) / LANES * LANES;
     /* whole blocks, plus 16 columns, so 16-wide score stores past a short block stay inside */
     const int64_t ld_scores = (max_len + bs - 1) / bs * bs + LANES;
-    const int64_t items = num_seqs * num_kv_heads;
+    /* first_tile[i]: how many tiles the sequences before i have */
+    int64_t *first_tile = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    first_tile[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++) first_tile[i + 1] = first_tile[i] + (q_lens[i] + TQ - 1) / TQ;
+    const int64_t items = first_tile[num_seqs] * num_kv_heads;
+    const int64_t R_max = TQ * G;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (items > 1)
     {
-        float *q = malloc((size_t)(G * D) * sizeof(float));
-        float *acc = malloc((size_t)(G * D) * sizeof(float));
+        float *q = malloc((size_t)(R_max * D) * sizeof(float));
+        float *acc = malloc((size_t)(R_max * D) * sizeof(float));
         /* zeroed: the padding columns of a transposed key block stay 0 */
         float *kt = calloc((size_t)(ldk * D), sizeof(float));
         float *vb = malloc((size_t)(bs * D) * sizeof(float));
-        float *scores = malloc((size_t)(G * ld_scores) * sizeof(float));
+        float *scores = malloc((size_t)(R_max * ld_scores) * sizeof(float));
+        int64_t s = 0; /* the sequence of the last item, where the next search starts */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t s = it / num_kv_heads, h = it % num_kv_heads;
-            const int64_t t = token_idx[s];
-            for (int64_t g = 0; g < G; g++) {
-                const char *src = (const char *)query + (t * q_st + (h * G + g) * q_sh) * es;
-                load_f32(src, q + g * D, D, dt);
-                for (int64_t d = 0; d < D; d++) q[g * D + d] *= scale;
+            const int64_t tile = it / num_kv_heads, h = it % num_kv_heads;
+            if (tile < first_tile[s]) s = 0;
+            while (first_tile[s + 1] <= tile) s++;
+            const int64_t t0 = (tile - first_tile[s]) * TQ; /* the tile's first query token */
+            const int64_t nt = q_lens[s] - t0 < TQ ? q_lens[s] - t0 : TQ;
+            const int64_t R = nt * G;
+            int64_t row_len[8];
+            for (int64_t t = 0; t < nt; t++) row_len[t] = seq_lens[s] - q_lens[s] + t0 + t + 1;
+            for (int64_t t = 0; t < nt; t++) {
+                const int64_t row = q_start[s] + t0 + t;
+                for (int64_t g = 0; g < G; g++) {
+                    const char *src = (const char *)query + (row * q_st + (h * G + g) * q_sh) * es;
+                    float *qr = q + (t * G + g) * D;
+                    load_f32(src, qr, D, dt);
+                    for (int64_t d = 0; d < D; d++) qr[d] *= scale;
+                }
             }
             const char *k_head = k_base + h * head_bytes, *v_head = v_base + h * head_bytes;
             const int32_t *blocks = block_table + s * bt_stride;
+            const int64_t len_max = row_len[nt - 1];
             /* a constant dtype per call site, so its tests leave the inner loops */
             if (dt == AE_BF16)
-                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_BF16, kt, ldk, vb,
-                           scores, ld_scores, acc);
+                attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_BF16, kt,
+                            ldk, vb, scores, ld_scores, acc);
             else if (dt == AE_F32)
-                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_F32, kt, ldk, vb,
-                           scores, ld_scores, acc);
+                attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_F32, kt,
+                            ldk, vb, scores, ld_scores, acc);
             else
-                decode_one(q, G, D, bs, seq_lens[s], k_head, v_head, blocks, AE_F16, kt, ldk, vb,
-                           scores, ld_scores, acc);
-            for (int64_t g = 0; g < G; g++) {
-                char *dst = (char *)out + (t * o_st + (h * G + g) * o_sh) * es;
-                store_f32(dst, acc + g * D, D, dt);
+                attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_F16, kt,
+                            ldk, vb, scores, ld_scores, acc);
+            for (int64_t t = 0; t < nt; t++) {
+                const int64_t row = q_start[s] + t0 + t;
+                for (int64_t g = 0; g < G; g++) {
+                    char *dst = (char *)out + (row * o_st + (h * G + g) * o_sh) * es;
+                    store_f32(dst, acc + (t * G + g) * D, D, dt);
+                }
             }
         }
         free(q);
@@ -364,6 +422,7 @@ void ae_paged_decode(int dt, const void *query, int64_t q_st, int64_t q_sh, void
         free(vb);
         free(scores);
     }
+    free(first_tile);
 }
 
 /*

@@ -43,10 +43,11 @@ def cpu_cache(b: PagedBatch) -> torch.Tensor:
     return cache
 
 
-def run_cpu(b: PagedBatch, scale: float) -> torch.Tensor:
+def run_cpu(b: PagedBatch, scale: float, native_max_query_len: int = 256) -> torch.Tensor:
     plan = plan_paged_attention_cpu(
-        b.query_start_loc, b.seq_lens, b.block_table, b.block_size, b.query.dtype
-    )
+        b.query_start_loc, b.seq_lens, b.block_table, b.block_size, b.query.dtype,
+        native_max_query_len=native_max_query_len,
+    )  # fmt: skip
     out = paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, scale)
     assert out.dtype == b.query.dtype and out.shape == b.query.shape
     return out
@@ -67,6 +68,7 @@ sequences = st.one_of(
     head_dim=st.sampled_from([16, 32, 64, 128]),
     block_size=st.sampled_from([8, 16, 32]),
     dtype=st.sampled_from(DTYPES),
+    native_max_query_len=st.sampled_from([1, 6, 256]),
     seed=st.integers(0, 2**16),
 )
 @example(
@@ -75,6 +77,7 @@ sequences = st.one_of(
     head_dim=64,
     block_size=16,
     dtype=torch.bfloat16,
+    native_max_query_len=256,
     seed=0,
 )
 def test_matches_reference_and_truth(
@@ -83,8 +86,11 @@ def test_matches_reference_and_truth(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
+    native_max_query_len: int,
     seed: int,
 ) -> None:
+    # native_max_query_len splits the sequences between the C kernel (decodes and chunks up to
+    # that many query tokens, in tiles) and SDPA (longer chunks).
     q_lens = [q for _, q, _ in seqs]
     seq_lens = [q + prefix for _, q, prefix in seqs]
     b = make_paged_batch(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed)
@@ -92,7 +98,7 @@ def test_matches_reference_and_truth(
     # The native writer produces exactly the reference cache, in its own layout.
     assert torch.equal(read_cache_cpu(cpu_cache(b)), b.kv_cache)
     truth = dense_attention(b, scale)
-    out = run_cpu(b, scale)
+    out = run_cpu(b, scale, native_max_query_len)
     assert max_error(out, truth) <= TOLERANCE[dtype]
     # And no worse than the torch reference (plus one rounding of the output dtype).
     ref_error = max_error(torch_reference(b, scale), truth)
