@@ -66,6 +66,8 @@ class NativeKernels:
     paged_attention: Callable[..., None]
     reshape_and_cache: Callable[..., None]
     rms_norm: Callable[..., None]
+    add_rms_norm: Callable[..., None]
+    rotary: Callable[..., None]
     silu_mul: Callable[..., None]
     argmax_rows: Callable[..., None]
 
@@ -137,6 +139,22 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _ptr, _i64,  # x, its row stride, out, its row stride
         _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
     ]  # fmt: skip
+    add_rms_norm = lib.ae_add_rms_norm
+    add_rms_norm.restype = None
+    add_rms_norm.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # x, residual (in place), out, their row strides
+        _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
+    ]  # fmt: skip
+    rotary = lib.ae_rotary
+    rotary.restype = None
+    rotary.argtypes = [
+        ctypes.c_int,
+        _ptr, _i64, _i64, _i64,  # q, token stride, head stride, heads
+        _ptr, _i64, _i64, _i64,  # k, token stride, head stride, heads
+        _ptr, _ptr, _i64, _i64, _i64,  # cos, sin, their row stride, tokens, D
+        _ptr, _ptr, ctypes.c_float, ctypes.c_int,  # q_norm, k_norm weights (or NULL), eps, threads
+    ]  # fmt: skip
     silu_mul = lib.ae_silu_mul
     silu_mul.restype = None
     silu_mul.argtypes = [
@@ -156,6 +174,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         paged_attention=attention,
         reshape_and_cache=cache,
         rms_norm=rms_norm,
+        add_rms_norm=add_rms_norm,
+        rotary=rotary,
         silu_mul=silu_mul,
     )
 

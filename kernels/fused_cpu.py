@@ -5,6 +5,10 @@ of roundings as the chain (fp32 inside, rounded to the dtype where torch rounds)
 match transformers' to the last bit or within one rounding of the dtype:
 
 - `rms_norm_cpu(x, weight, eps)`: transformers' Llama-style RMSNorm (seven ops).
+- `add_rms_norm_cpu(x, residual, weight, eps)`: a pre-norm decoder's `residual = residual + x`
+  (in place) then RMSNorm of it (eight ops).
+- `rotary_cpu(q, k, cos, sin)`: rotary embedding of queries and keys in place, rotate-half
+  layout (about twelve ops), optionally after Qwen3's per-head RMSNorms.
 - `silu_mul_cpu(gate, up)`: `silu(gate) * up`, the gated MLP's activation (two ops).
 - `argmax_cpu(x)`: torch.argmax over the rows of bf16/fp16/fp32 logits with no fp32 copy
   (torch's CPU argmax is a scalar loop; an fp32 copy of 64 x 32000 logits costs ~1 ms).
@@ -35,6 +39,54 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         weight.contiguous().data_ptr(), rows.shape[0], x.shape[-1], eps, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`residual += x` (rounded to the dtype, in place), then RMSNorm of it, as a new tensor.
+
+    Both `[..., N]` of one dtype with rows of unit stride; `residual` must be writable in place
+    as 2-D rows (any row stride).
+    """
+    rows, res = _rows(x), residual.view(-1, residual.shape[-1])
+    if res.stride(-1) != 1:
+        raise ValueError("add_rms_norm_cpu: the residual's rows must be contiguous")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    require_native().add_rms_norm(
+        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), res.data_ptr(), res.stride(0),
+        out.data_ptr(), x.shape[-1], weight.contiguous().data_ptr(), rows.shape[0],
+        x.shape[-1], eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rotary_cpu(
+    q: torch.Tensor,  # [T, H_q, D], heads of unit stride along D
+    k: torch.Tensor,  # [T, H_kv, D]
+    cos: torch.Tensor,  # [T, D] in q's dtype
+    sin: torch.Tensor,  # [T, D]
+    q_norm: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3), or None
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    """Rotary embedding of q and k in place, as transformers' `apply_rotary_pos_emb`.
+
+    With `q_norm` / `k_norm`, each head is first RMS-normalised (as Qwen3's `q_norm` /
+    `k_norm` modules). Any token and head strides; cos and sin rows must be contiguous.
+    """
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_cpu: each head's values must be contiguous")
+    c, s = cos.contiguous(), sin.contiguous()
+    qn = q_norm.contiguous() if q_norm is not None else None
+    kn = k_norm.contiguous() if k_norm is not None else None
+    require_native().rotary(
+        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
+        k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
+        c.data_ptr(), s.data_ptr(), c.stride(0), q.shape[0], q.shape[2],
+        qn.data_ptr() if qn is not None else None, kn.data_ptr() if kn is not None else None,
+        eps, torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

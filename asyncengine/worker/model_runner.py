@@ -14,6 +14,7 @@ import torch
 from asyncengine.config import CacheConfig, ModelConfig
 from asyncengine.ipc.messages import LogprobsEntry
 from asyncengine.model.attention import AttentionMetadata, get_backend
+from asyncengine.model.cpu_forward import CpuForward
 from asyncengine.model.loader import load_model
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -65,6 +66,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        # The lean CPU forward (model/cpu_forward.py) where it takes the model; else None and
+        # the model runs through transformers.
+        self.cpu_forward: CpuForward | None = None
         # Resolve the attention backend now, so a missing triton fails at start-up.
         get_backend(model_config.attention_backend, device)
 
@@ -75,11 +79,20 @@ class ModelRunner:
 
             shard_model(self.model, self.tp.rank, self.tp.world_size, self.tp.all_reduce)
         if self.device.type == "cpu":
+            from asyncengine.model import cpu_forward
             from asyncengine.model.cpu_linear import pack_linear_layers
 
+            lean = (
+                self.model_config.attention_backend == "cpu"
+                and cpu_forward.unsupported_reason(self.model) is None
+            )
+            if lean:  # before packing: it joins linear layers
+                cpu_forward.join_projections(self.model)
             # After sharding: the shards are what each rank multiplies by.
             pack_linear_layers(self.model, self.dtype)
-            if self.model_config.attention_backend == "cpu":
+            if lean:
+                self.cpu_forward = cpu_forward.CpuForward(self.model)
+            elif self.model_config.attention_backend == "cpu":
                 from asyncengine.model.fused_ops import use_native_cpu_ops
 
                 use_native_cpu_ops(self.model)
@@ -112,14 +125,18 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None, "load_model() first"
         batch = self._prepare_inputs(scheduler_output)
-        logits = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.positions,
-            # Only the driver rank samples: the others skip the lm_head entirely.
-            logits_to_keep=batch.logits_indices if self.is_driver else batch.logits_indices[:0],
-            use_cache=False,
-            asyncengine_attn=batch.attn,
-        ).logits[0]  # [S, V]
+        # Only the driver rank samples: the others skip the lm_head entirely.
+        keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
+        if self.cpu_forward is not None:
+            logits = self.cpu_forward(batch.input_ids[0], batch.positions[0], batch.attn, keep)
+        else:
+            logits = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.positions,
+                logits_to_keep=keep,
+                use_cache=False,
+                asyncengine_attn=batch.attn,
+            ).logits[0]  # [S, V]
         return self._sample(scheduler_output, batch, logits)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -470,10 +470,26 @@ static inline void round_row(float *restrict x, int64_t n, int dt) {
     }
 }
 
+/* RMSNorm of one row of n fp32 values in place, as transformers' LlamaRMSNorm computes it:
+ * the mean square in fp32, the normalised row rounded to the dtype, then times the weight
+ * (w: the dtype's values widened), rounded again (by the caller's store). Never inlined: every
+ * kernel that normalises then runs the same machine code, so the same summation order (the
+ * compiler may vectorise a reduction differently in each place it is inlined), and the lean
+ * forward's fp32 numbers equal those of the model with only its norms swapped. */
+static __attribute__((noinline)) void rms_norm_row(float *restrict buf, const float *restrict w, int64_t n,
+                                float eps, int dt) {
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = 0; i < n; i++) sq += buf[i] * buf[i];
+    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) buf[i] *= inv;
+    round_row(buf, n, dt);
+    for (int64_t i = 0; i < n; i++) buf[i] *= w[i];
+}
+
 /*
  * RMSNorm of `rows` rows of n values (row strides x_st / o_st in elements), as transformers'
- * LlamaRMSNorm computes it: the mean square in fp32, the normalised row rounded to the dtype,
- * then times the weight (same dtype), rounded again.
+ * LlamaRMSNorm computes it (see rms_norm_row).
  */
 void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
                  const void *weight, int64_t rows, int64_t n, float eps, int num_threads) {
@@ -486,17 +502,108 @@ void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_f32((const char *)x + r * x_st * es, buf, n, dt);
-            float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-            for (int64_t i = 0; i < n; i++) sq += buf[i] * buf[i];
-            const float inv = 1.0f / sqrtf(sq / (float)n + eps);
-            for (int64_t i = 0; i < n; i++) buf[i] *= inv;
-            round_row(buf, n, dt);
-            for (int64_t i = 0; i < n; i++) buf[i] *= w[i];
+            rms_norm_row(buf, w, n, eps, dt);
             store_f32((char *)out + r * o_st * es, buf, n, dt);
         }
         free(buf);
         free(w);
+    }
+}
+
+/*
+ * A pre-norm decoder's residual step, `residual = residual + x; out = RMSNorm(residual)`:
+ * the sum rounded to the dtype (as torch's add) and stored back into `residual` in place, then
+ * normalised as ae_rms_norm does. Row strides x_st / r_st / o_st in elements.
+ */
+void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                     void *out, int64_t o_st, const void *weight, int64_t rows, int64_t n,
+                     float eps, int num_threads) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel num_threads(num_threads) if (rows * n >= 32768)
+    {
+        float *buf = malloc((size_t)n * sizeof(float));
+        float *other = malloc((size_t)n * sizeof(float));
+        float *w = malloc((size_t)n * sizeof(float));
+        load_f32(weight, w, n, dt);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            char *res = (char *)residual + r * r_st * es;
+            load_f32(res, buf, n, dt);
+            load_f32((const char *)x + r * x_st * es, other, n, dt);
+            for (int64_t i = 0; i < n; i++) buf[i] += other[i];
+            store_f32(res, buf, n, dt);
+            round_row(buf, n, dt);
+            rms_norm_row(buf, w, n, eps, dt);
+            store_f32((char *)out + r * o_st * es, buf, n, dt);
+        }
+        free(buf);
+        free(other);
+        free(w);
+    }
+}
+
+/* Rotary embedding of one head of D values (fp32 in x, in place), rotate-half layout, as
+ * transformers computes `x * cos + rotate_half(x) * sin` in the dtype: both products rounded,
+ * then their sum (rounded by the caller's store). The products go through memory (a, b) so
+ * that the compiler cannot contract them into FMAs, which would change fp32 results. */
+static inline void rotate_head(float *restrict x, const float *restrict c,
+                               const float *restrict s, float *restrict a, float *restrict b,
+                               int64_t D, int dt) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i++) a[i] = x[i] * c[i];
+    for (int64_t i = 0; i < half; i++) b[i] = -x[i + half] * s[i];
+    for (int64_t i = half; i < D; i++) b[i] = x[i - half] * s[i];
+    round_row(a, D, dt);
+    round_row(b, D, dt);
+    for (int64_t i = 0; i < D; i++) x[i] = a[i] + b[i];
+}
+
+/*
+ * Rotary embedding, in place, of T tokens' query heads (hq of them, element strides q_st per
+ * token and q_sh per head, D contiguous) and key heads (hkv; k_st, k_sh): rotate-half layout,
+ * with cos/sin [T][D] in the dtype (row stride cs_st), rounded as transformers rounds.
+ * With q_norm / k_norm given (Qwen3's per-head norms), each head is first RMS-normalised over
+ * its D values with that weight (as ae_rms_norm, eps). NULL leaves the heads as they are.
+ */
+void ae_rotary(int dt, void *q, int64_t q_st, int64_t q_sh, int64_t hq, void *k, int64_t k_st,
+               int64_t k_sh, int64_t hkv, const void *cos, const void *sin, int64_t cs_st,
+               int64_t T, int64_t D, const void *q_norm, const void *k_norm, float eps,
+               int num_threads) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel num_threads(num_threads) if (T * (hq + hkv) * D >= 32768)
+    {
+        float *buf = malloc((size_t)(5 * D) * sizeof(float));
+        float *c = buf + D, *s = buf + 2 * D, *a = buf + 3 * D, *b = buf + 4 * D;
+        float *qw = NULL, *kw = NULL;
+        if (q_norm) {
+            qw = malloc((size_t)D * sizeof(float));
+            load_f32(q_norm, qw, D, dt);
+        }
+        if (k_norm) {
+            kw = malloc((size_t)D * sizeof(float));
+            load_f32(k_norm, kw, D, dt);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load_f32((const char *)cos + t * cs_st * es, c, D, dt);
+            load_f32((const char *)sin + t * cs_st * es, s, D, dt);
+            for (int64_t h = 0; h < hq + hkv; h++) {
+                const int is_q = h < hq;
+                char *x = is_q ? (char *)q + (t * q_st + h * q_sh) * es
+                               : (char *)k + (t * k_st + (h - hq) * k_sh) * es;
+                const float *nw = is_q ? qw : kw;
+                load_f32(x, buf, D, dt);
+                if (nw) {
+                    rms_norm_row(buf, nw, D, eps, dt);
+                    round_row(buf, D, dt);
+                }
+                rotate_head(buf, c, s, a, b, D, dt);
+                store_f32(x, buf, D, dt);
+            }
+        }
+        free(buf);
+        free(qw);
+        free(kw);
     }
 }
 

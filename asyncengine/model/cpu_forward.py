@@ -1,0 +1,277 @@
+"""A lean forward pass for Llama-family models on CPU, on the native kernels.
+
+transformers' decoder layer costs about 30 torch ops and a dozen Python calls per layer besides
+its GEMMs: at SmolLM2's size (30 layers, 64-token decode steps) that is a fifth of a step. This
+forward runs the same arithmetic as `LlamaForCausalLM.forward` (and Mistral's, Qwen2's,
+Qwen3's) in nine calls a layer:
+
+    residual += mlp_out; x = norm(residual)       one kernel (the first layer: the norm only)
+    qkv = x @ W_qkv                                one GEMM: q, k and v weights side by side
+    q, k = rotary(q, k)                            one kernel, in place (after Qwen3's q/k norms)
+    cache <- k, v; attn = paged attention          the attention backend, as before
+    residual += attn @ W_o; x = norm(residual)     a GEMM and one kernel
+    mlp_out = down(silu(gate) * up)                a GEMM (gate and up side by side), one
+                                                   kernel, a GEMM
+
+and takes the final norm and the lm_head on the sampled rows only. Every op rounds where
+transformers' rounds, so the numbers are the same: bf16 logits bit for bit, fp32 ones up to
+the summation order of the RMSNorms (tests/native/test_cpu_forward.py). The side-by-side
+weights are used only for bf16/fp16 and where a probe shows that the joint GEMM gives the
+separate GEMMs' numbers to the bit; otherwise the projections stay apart.
+
+Two calls set it up, around the CPU weight packing (which replaces linear modules):
+
+- `join_projections(model)` before it: for a model `supports` accepts, replaces each layer's
+  q/k/v projections by one `qkv_proj` and gate/up by one `gate_up_proj` where the probe agrees.
+  transformers' own forward can no longer run that model.
+- `CpuForward(model)` after it: the forward, holding the final modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncengine.model.attention import AttentionMetadata
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaDecoderLayer",
+    "MistralForCausalLM": "MistralDecoderLayer",
+    "Qwen2ForCausalLM": "Qwen2DecoderLayer",
+    "Qwen3ForCausalLM": "Qwen3DecoderLayer",
+}
+_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_SILUS = frozenset({"SiLUActivation", "SiLU"})
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden] weights
+    post_norm: torch.Tensor
+    eps: float
+    # q, k and v from one joint GEMM (split by column), or three.
+    qkv: nn.Module | None
+    q_proj: nn.Module | None
+    k_proj: nn.Module | None
+    v_proj: nn.Module | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms, [D]
+    k_norm: torch.Tensor | None
+    head_eps: float
+    num_kv_heads: int
+    o_proj: nn.Module
+    gate_up: nn.Module | None
+    gate_proj: nn.Module | None
+    up_proj: nn.Module | None
+    down_proj: nn.Module
+    scale: float
+
+
+class CpuForward:
+    """`model(input_ids, positions, attn, logits_indices) -> logits [S, V]` for one step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"CpuForward: {reason}")
+        base: Any = model.model  # type: ignore[union-attr]
+        self._embed: nn.Module = base.embed_tokens
+        self._rotary: nn.Module = base.rotary_emb
+        self._final_norm: torch.Tensor = base.norm.weight
+        self._final_eps = float(base.norm.variance_epsilon)
+        self._lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
+        self._head_dim = _head_dim(model)
+        self._layers = [_collect(layer, self._head_dim) for layer in base.layers]
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
+    ) -> torch.Tensor:  # [S, V]
+        from asyncengine.kernels.fused_cpu import (
+            add_rms_norm_cpu,
+            rms_norm_cpu,
+            rotary_cpu,
+            silu_mul_cpu,
+        )
+
+        num_tokens, d = input_ids.shape[0], self._head_dim
+        residual: torch.Tensor = self._embed(input_ids)  # [T, hidden]
+        cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
+        cos, sin = cos[0], sin[0]
+        backend, plan = attn.backend, attn.plan
+        mlp_out: torch.Tensor | None = None
+        for i, layer in enumerate(self._layers):
+            if mlp_out is None:
+                x = rms_norm_cpu(residual, layer.input_norm, layer.eps)
+            else:
+                x = add_rms_norm_cpu(mlp_out, residual, layer.input_norm, layer.eps)
+            q, k, v = _project_qkv(layer, x, num_tokens, d)
+            rotary_cpu(q, k, cos, sin, layer.q_norm, layer.k_norm, layer.head_eps)
+            kv_cache = attn.kv_caches[i]
+            backend.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
+            out = backend.paged_attention(q, k, v, kv_cache, plan, layer.scale)  # [T, H_q, D]
+            x = add_rms_norm_cpu(
+                layer.o_proj(out.view(num_tokens, -1)), residual, layer.post_norm, layer.eps
+            )
+            if layer.gate_up is not None:
+                gate_up = layer.gate_up(x)  # [T, 2 * I]
+                inter = gate_up.shape[-1] // 2
+                act = silu_mul_cpu(gate_up[:, :inter], gate_up[:, inter:])
+            else:
+                assert layer.gate_proj is not None and layer.up_proj is not None
+                act = silu_mul_cpu(layer.gate_proj(x), layer.up_proj(x))
+            mlp_out = layer.down_proj(act)
+        assert mlp_out is not None
+        # The last residual add and the final norm, on the sampled rows only.
+        rows_out = mlp_out.index_select(0, logits_indices)
+        rows_res = residual.index_select(0, logits_indices)
+        hidden = add_rms_norm_cpu(rows_out, rows_res, self._final_norm, self._final_eps)
+        logits: torch.Tensor = self._lm_head(hidden)
+        return logits
+
+
+def _project_qkv(
+    layer: _Layer, x: torch.Tensor, num_tokens: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H_q, D], k and v [T, H_kv, D]: column views of one joint GEMM, or three GEMMs."""
+    if layer.qkv is not None:
+        qkv: torch.Tensor = layer.qkv(x)
+        heads = qkv.view(num_tokens, -1, d)  # [T, H_q + 2 * H_kv, D]
+        num_kv = layer.num_kv_heads
+        num_q = heads.shape[1] - 2 * num_kv
+        return heads[:, :num_q], heads[:, num_q : num_q + num_kv], heads[:, num_q + num_kv :]
+    assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
+    return (
+        layer.q_proj(x).view(num_tokens, -1, d),
+        layer.k_proj(x).view(num_tokens, -1, d),
+        layer.v_proj(x).view(num_tokens, -1, d),
+    )
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this forward can't run `model` (None: it can). Needs the native kernels."""
+    from asyncengine.kernels.cpu_native import load_native
+
+    if load_native() is None:
+        return "the native CPU kernels are unavailable"
+    arch = type(model).__name__
+    layer_cls = _ARCHITECTURES.get(arch)
+    if layer_cls is None:
+        return f"architecture {arch!r} is not one of {sorted(_ARCHITECTURES)}"
+    base = getattr(model, "model", None)
+    if base is None or not all(
+        hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm")
+    ):
+        return f"{arch}: unexpected module layout"
+    if type(base.norm).__name__ not in _NORMS:
+        return f"{arch}: final norm {type(base.norm).__name__}"
+    for layer in base.layers:
+        if type(layer).__name__ != layer_cls:
+            return f"{arch}: layer class {type(layer).__name__}"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [m for m in (getattr(layer.self_attn, n, None) for n in _HEAD_NORMS) if m]
+        if any(type(m).__name__ not in _NORMS for m in norms):
+            return f"{arch}: a norm of another kind"
+        if type(getattr(layer.mlp, "act_fn", None)).__name__ not in _SILUS:
+            return f"{arch}: an MLP activation other than SiLU"
+    return None
+
+
+def join_projections(model: nn.Module) -> int:
+    """Give each layer one q/k/v and one gate/up projection where that changes no number.
+
+    Call before the weights are packed, on a model `unsupported_reason` accepts. A joint
+    projection is made only from plain `nn.Linear`s (with biases on all or none) and kept
+    only where a probe gives bit for bit the separate projections' outputs. Returns how many
+    joint projections were made; the model then runs through `CpuForward` only.
+    """
+    joined = 0
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _joint([attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is not None:
+            attn.qkv_proj = qkv
+            attn.qkv_sizes = (attn.q_proj.out_features, attn.k_proj.out_features)
+            del attn.q_proj, attn.k_proj, attn.v_proj
+            joined += 1
+        gate_up = _joint([mlp.gate_proj, mlp.up_proj])
+        if gate_up is not None:
+            mlp.gate_up_proj = gate_up
+            del mlp.gate_proj, mlp.up_proj
+            joined += 1
+    return joined
+
+
+_HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def _head_dim(model: nn.Module) -> int:
+    attn = model.model.layers[0].self_attn  # type: ignore[union-attr,index]
+    return int(attn.head_dim)
+
+
+def _collect(layer: nn.Module, head_dim: int) -> _Layer:
+    attn: Any = layer.self_attn
+    mlp: Any = layer.mlp
+    joint_qkv = getattr(attn, "qkv_proj", None)
+    k_out = attn.k_proj.out_features if joint_qkv is None else attn.qkv_sizes[1]
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    input_norm: Any = layer.input_layernorm
+    post_norm: Any = layer.post_attention_layernorm
+    return _Layer(
+        input_norm=input_norm.weight,
+        post_norm=post_norm.weight,
+        eps=float(input_norm.variance_epsilon),
+        qkv=joint_qkv,
+        q_proj=getattr(attn, "q_proj", None),
+        k_proj=getattr(attn, "k_proj", None),
+        v_proj=getattr(attn, "v_proj", None),
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        head_eps=float(q_norm.variance_epsilon) if q_norm is not None else 0.0,
+        num_kv_heads=k_out // head_dim,
+        o_proj=attn.o_proj,
+        gate_up=getattr(mlp, "gate_up_proj", None),
+        gate_proj=getattr(mlp, "gate_proj", None),
+        up_proj=getattr(mlp, "up_proj", None),
+        down_proj=mlp.down_proj,
+        scale=float(attn.scaling),
+    )
+
+
+def _joint(parts: list[nn.Module]) -> nn.Linear | None:
+    """One linear layer computing `parts` side by side, if its outputs are theirs to the bit.
+
+    Only for bf16/fp16 weights, whose oneDNN GEMMs reduce over the input features in the same
+    order whatever the output width: fp32 GEMMs (MKL) pick other kernels for other widths,
+    and do give other last bits (seen on one-row products). A probe checks it anyway.
+    """
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    linears: list[nn.Linear] = parts  # type: ignore[assignment]
+    has_bias = [p.bias is not None for p in linears]
+    first = linears[0].weight
+    if any(has_bias) != all(has_bias) or first.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    joint = nn.Linear(
+        first.shape[1], sum(p.out_features for p in linears), bias=all(has_bias),
+        dtype=first.dtype, device=first.device,
+    )  # fmt: skip
+    joint.requires_grad_(False)
+    with torch.no_grad():
+        joint.weight.copy_(torch.cat([p.weight for p in linears]))
+        if joint.bias is not None:
+            joint.bias.copy_(torch.cat([p.bias for p in linears]))  # type: ignore[misc]
+        g = torch.Generator(device=first.device).manual_seed(0)
+        for rows in (1, 3, 17, 64):  # GEMMs of other heights may block differently
+            x = torch.randn(rows, first.shape[1], generator=g, device=first.device)
+            x = x.to(first.dtype)
+            if not torch.equal(joint(x), torch.cat([p(x) for p in linears], dim=-1)):
+                return None
+    return joint

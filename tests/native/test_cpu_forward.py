@@ -1,0 +1,170 @@
+"""The lean CPU forward (`model/cpu_forward.py`) and the fused kernels it runs on.
+
+Its contract: the same numbers as the model running through transformers' own forward on the
+same attention backend. The kernels round where transformers' op chains round, so engines with
+and without it give the same tokens and logprobs, to the bit, in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rotary_cpu
+from asyncengine.model import cpu_forward
+from asyncengine.testing.models import TINY_ARCHITECTURES
+
+pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x = (torch.randn(37, 96, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, 96, generator=g).to(dtype)
+    want_residual = residual + x
+    want = norm(want_residual)
+    got = add_rms_norm_cpu(x, residual, norm.weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # the add rounds once, as torch's
+    if dtype == torch.bfloat16:  # the norm rounds where transformers' does: bit for bit
+        assert torch.equal(got, want)
+    else:  # another summation order (fp32); a rare last-bit difference (fp16)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rotary_is_transformers_rotary(dtype: torch.dtype, head_norms: bool) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    num_tokens, hq, hkv, d = 13, 6, 2, 32
+    # q and k as column views of one [T, (hq + 2 hkv) * D] projection, as the forward has them.
+    qkv = (torch.randn(num_tokens, hq + 2 * hkv, d, generator=g) * 2).to(dtype)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
+    pos = torch.arange(100, 100 + num_tokens).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [T, D], as LlamaRotaryEmbedding
+    want_q, want_k = q.clone(), k.clone()
+    q_norm = k_norm = None
+    if head_norms:  # Qwen3 normalises each head first
+        q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6).to(dtype), Qwen3RMSNorm(d, eps=1e-6).to(dtype)
+        q_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+        k_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+        want_q, want_k = q_norm(want_q), k_norm(want_k)
+    # transformers' layout: [B, H, T, D] with cos/sin [B, T, D]
+    want_q, want_k = apply_rotary_pos_emb(
+        want_q.transpose(0, 1)[None], want_k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    rotary_cpu(
+        q, k, cos, sin,
+        q_norm.weight if q_norm is not None else None,
+        k_norm.weight if k_norm is not None else None,
+        1e-6,
+    )  # fmt: skip
+    got_q, got_k = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
+    if head_norms and dtype != torch.bfloat16:  # the norms' summation order
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+    else:  # every product and sum rounded as torch rounds it, no FMA: bit for bit
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, hq + hkv :], qkv[:, hq + hkv :].clone())  # v untouched
+
+
+def _prompts() -> list[list[int]]:
+    shared = list(range(20, 60))
+    return [[7], [*shared, 61, 62, 63], list(range(100, 131)), [*shared, 90], [300, 301, 5]]
+
+
+def _run(model_dir: Path, dtype: str) -> list[tuple[list[int], list[list[float]]]]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    # A small token budget chunks the long prompts and runs decodes next to prefill chunks;
+    # the second pass hits the prefix cache.
+    llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=16, num_kv_blocks=32)
+    try:
+        results = []
+        for _ in range(2):
+            for out in llm.generate(_prompts(), params, use_tqdm=False):
+                completion = out.outputs[0]
+                assert completion.logprobs is not None
+                lps = [sorted(v.logprob for v in step.values()) for step in completion.logprobs]
+                results.append((list(completion.token_ids), lps))
+        return results
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_gives_the_same_numbers_with_and_without_it(
+    arch: str, dtype: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tiny_model_factory(arch)
+    built: list[cpu_forward.CpuForward] = []
+    real_init = cpu_forward.CpuForward.__init__
+
+    def spy(self: cpu_forward.CpuForward, model: nn.Module) -> None:
+        real_init(self, model)
+        built.append(self)
+
+    monkeypatch.setattr(cpu_forward.CpuForward, "__init__", spy)
+    lean = _run(model_dir, dtype)
+    assert len(built) == 1
+    # Joint q/k/v and gate/up projections in every layer, for bf16 only (see _joint).
+    joined = dtype == "bfloat16"
+    for layer in built[0]._layers:
+        assert (layer.qkv is not None, layer.gate_up is not None) == (joined, joined)
+    monkeypatch.setattr(cpu_forward, "unsupported_reason", lambda model: "switched off")
+    assert _run(model_dir, dtype) == lean
+    assert len(built) == 1
+
+
+def test_models_it_does_not_take_run_through_transformers(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("llama", hidden_act="gelu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert "SiLU" in (cpu_forward.unsupported_reason(model) or "")
+    assert "architecture" in (cpu_forward.unsupported_reason(nn.Linear(2, 2)) or "")
+    llm = LLM(model_dir, dtype="float32")
+    try:
+        runner = llm.engine.engine_core.executor.worker.model_runner  # type: ignore[attr-defined]
+        assert runner.cpu_forward is None
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+def test_projections_are_joined_only_when_that_changes_nothing() -> None:
+    torch.manual_seed(0)
+    plain = [nn.Linear(16, 8, dtype=torch.bfloat16), nn.Linear(16, 4, dtype=torch.bfloat16)]
+    joint = cpu_forward._joint(plain)  # type: ignore[arg-type]
+    assert joint is not None and joint.out_features == 12
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert torch.equal(joint(x), torch.cat([p(x) for p in plain], dim=-1))
+    # Biases on some parts only, or a part that is not a plain linear layer: left apart.
+    mixed = [nn.Linear(16, 8, dtype=torch.bfloat16), nn.Linear(16, 4, bias=False)]
+    assert cpu_forward._joint(mixed) is None  # type: ignore[arg-type]
+    assert cpu_forward._joint([plain[0], nn.Identity()]) is None
+    # fp32 GEMMs are not joined (MKL's kernels depend on the output width).
+    assert cpu_forward._joint([nn.Linear(16, 8), nn.Linear(16, 4)]) is None  # type: ignore[arg-type]
