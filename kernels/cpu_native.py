@@ -153,7 +153,10 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _i64, _i64,  # q, token stride, head stride, heads
         _ptr, _i64, _i64, _i64,  # k, token stride, head stride, heads
         _ptr, _ptr, _i64, _i64, _i64,  # cos, sin, their row stride, tokens, D
-        _ptr, _ptr, ctypes.c_float, ctypes.c_int,  # q_norm, k_norm weights (or NULL), eps, threads
+        _ptr, _ptr, ctypes.c_float,  # q_norm, k_norm weights (or NULL), eps
+        _ptr, _i64, _i64,  # v, token stride, head stride (or NULL: no cache write)
+        _ptr, _i64, _i64, _ptr,  # kv_cache (or NULL), blocks, block size, slot_mapping
+        ctypes.c_int,  # threads
     ]  # fmt: skip
     silu_mul = lib.ae_silu_mul
     silu_mul.restype = None

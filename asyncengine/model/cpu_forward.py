@@ -3,12 +3,12 @@
 transformers' decoder layer costs about 30 torch ops and a dozen Python calls per layer besides
 its GEMMs: at SmolLM2's size (30 layers, 64-token decode steps) that is a fifth of a step. This
 forward runs the same arithmetic as `LlamaForCausalLM.forward` (and Mistral's, Qwen2's,
-Qwen3's) in nine calls a layer:
+Qwen3's) in eight calls a layer:
 
     residual += mlp_out; x = norm(residual)       one kernel (the first layer: the norm only)
     qkv = x @ W_qkv                                one GEMM: q, k and v weights side by side
-    q, k = rotary(q, k)                            one kernel, in place (after Qwen3's q/k norms)
-    cache <- k, v; attn = paged attention          the attention backend, as before
+    q, k = rotary(q, k); cache <- k, v             one kernel, in place (after Qwen3's q/k norms)
+    attn = paged attention                         the "cpu" attention backend, as before
     residual += attn @ W_o; x = norm(residual)     a GEMM and one kernel
     mlp_out = down(silu(gate) * up)                a GEMM (gate and up side by side), one
                                                    kernel, a GEMM
@@ -104,7 +104,11 @@ class CpuForward:
         residual: torch.Tensor = self._embed(input_ids)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
-        backend, plan = attn.backend, attn.plan
+        backend, plan, slots = attn.backend, attn.plan, attn.slot_mapping
+        if backend.name != "cpu":  # the cache layout its rotary kernel writes
+            raise ValueError(
+                f"CpuForward runs on the 'cpu' attention backend, not {backend.name!r}"
+            )
         mlp_out: torch.Tensor | None = None
         for i, layer in enumerate(self._layers):
             if mlp_out is None:
@@ -112,9 +116,12 @@ class CpuForward:
             else:
                 x = add_rms_norm_cpu(mlp_out, residual, layer.input_norm, layer.eps)
             q, k, v = _project_qkv(layer, x, num_tokens, d)
-            rotary_cpu(q, k, cos, sin, layer.q_norm, layer.k_norm, layer.head_eps)
             kv_cache = attn.kv_caches[i]
-            backend.reshape_and_cache(k, v, kv_cache, attn.slot_mapping)
+            # Rotary, and the cache write of the rotated keys and the values, in one pass.
+            rotary_cpu(
+                q, k, cos, sin, layer.q_norm, layer.k_norm, layer.head_eps,
+                value=v, kv_cache=kv_cache, slot_mapping=slots,
+            )  # fmt: skip
             out = backend.paged_attention(q, k, v, kv_cache, plan, layer.scale)  # [T, H_q, D]
             x = add_rms_norm_cpu(
                 layer.o_proj(out.view(num_tokens, -1)), residual, layer.post_norm, layer.eps

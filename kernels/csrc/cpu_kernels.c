@@ -27,16 +27,22 @@
 
 enum { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
 
-static inline int64_t elem_size(int dt) { return dt == AE_F32 ? 4 : 2; }
+/* The small helpers below sit in every inner loop. GCC stops inlining once a unit has grown
+ * past its limits (the attention kernel is inlined three times over, once per dtype), and a
+ * call per 16 values then costs more than the work: measured, the attention ran ~2x slower
+ * with load16_as_f32 and exp2_normal out of line. So they are always inlined. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-static inline float bf16_to_f32(uint16_t x) {
+static ALWAYS_INLINE int64_t elem_size(int dt) { return dt == AE_F32 ? 4 : 2; }
+
+static ALWAYS_INLINE float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+static ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
@@ -44,7 +50,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* n elements of dtype `dt` at `src` (contiguous) -> fp32 */
-static inline void load_f32(const void *src, float *restrict dst, int64_t n, int dt) {
+static ALWAYS_INLINE void load_f32(const void *src, float *restrict dst, int64_t n, int dt) {
     if (dt == AE_F32) {
         memcpy(dst, src, (size_t)n * 4);
     } else if (dt == AE_BF16) {
@@ -56,7 +62,7 @@ static inline void load_f32(const void *src, float *restrict dst, int64_t n, int
     }
 }
 
-static inline void store_f32(void *dst, const float *restrict src, int64_t n, int dt) {
+static ALWAYS_INLINE void store_f32(void *dst, const float *restrict src, int64_t n, int dt) {
     if (dt == AE_F32) {
         memcpy(dst, src, (size_t)n * 4);
     } else if (dt == AE_BF16) {
@@ -70,7 +76,7 @@ static inline void store_f32(void *dst, const float *restrict src, int64_t n, in
 
 /* 2^y for y in [-126, 127], written so that loops over it vectorise: 2^n * 2^f with |f| <= 1/2
  * and a degree-7 Taylor polynomial for 2^f (relative error below 1e-7, under fp32's rounding). */
-static inline float exp2_normal(float y) {
+static ALWAYS_INLINE float exp2_normal(float y) {
     /* round to nearest through a positive offset: truncation vectorises where floorf may not */
     const int32_t ni = (int32_t)(y + 128.5f) - 128;
     const float n = (float)ni;
@@ -88,14 +94,14 @@ static inline float exp2_normal(float y) {
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum); 0 below 2^-126. */
-static inline float exp_nonpositive(float x) {
+static ALWAYS_INLINE float exp_nonpositive(float x) {
     const float y = x * 1.44269504088896341f;
     const float e = exp2_normal(y < -126.0f ? -126.0f : y);
     return y < -126.0f ? 0.0f : e;
 }
 
 /* exp(x) for any x: 0 below 2^-126, clamped at 2^127 above (only SiLU's 1 + exp(-x) sees it). */
-static inline float exp_any(float x) {
+static ALWAYS_INLINE float exp_any(float x) {
     const float y = x * 1.44269504088896341f;
     const float e = exp2_normal(y < -126.0f ? -126.0f : (y > 127.0f ? 127.0f : y));
     return y < -126.0f ? 0.0f : e;
@@ -105,7 +111,7 @@ static inline float exp_any(float x) {
 typedef float v16f __attribute__((vector_size(64)));
 #define LANES 16
 
-static inline v16f load16(const float *p) {
+static ALWAYS_INLINE v16f load16(const float *p) {
     v16f v;
     memcpy(&v, p, sizeof v);
     return v;
@@ -116,7 +122,7 @@ typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
 /* 16 consecutive values of dtype `dt` at p, as fp32 lanes. */
-static inline v16f load16_as_f32(const char *p, int dt) {
+static ALWAYS_INLINE v16f load16_as_f32(const char *p, int dt) {
     if (dt == AE_F32) return load16((const float *)p);
     if (dt == AE_BF16) {
 #ifdef __AVX512F__
@@ -225,7 +231,7 @@ static void scores_any(const float *restrict q, int64_t R, int64_t D, const floa
 }
 
 /* Ask for the `bytes` at p to be in cache soon (one request per 64-byte line). */
-static inline void prefetch_bytes(const char *p, int64_t bytes) {
+static ALWAYS_INLINE void prefetch_bytes(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
@@ -425,6 +431,24 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
     free(first_tile);
 }
 
+/* Store one token's K and V head (D contiguous values each) at `slot` of a layer's cache (key
+ * and value halves at k_base / v_base, head_elems elements per head): the value row as it is,
+ * the key transposed within its block. A negative slot is skipped (padding). */
+static inline void store_kv_slot(char *k_base, char *v_base, int64_t head_elems, int64_t h,
+                                 int64_t slot, int64_t bs, int64_t D, int64_t es, const char *k,
+                                 const char *v) {
+    if (slot < 0) return;
+    const int64_t blk = slot / bs, off = slot % bs;
+    const int64_t block_start = h * head_elems + blk * bs * D;
+    memcpy(v_base + (block_start + off * D) * es, v, (size_t)(D * es));
+    char *kdst = k_base + (block_start + off) * es;
+    if (es == 4) {
+        for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 4, k + d * 4, 4);
+    } else {
+        for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 2, k + d * 2, 2);
+    }
+}
+
 /*
  * Write num_tokens new tokens' K and V ([T, H_kv, D] with element strides (token, head); D
  * contiguous; the cache's dtype) into the cache at slot_mapping[t] (block slot / bs, offset
@@ -436,33 +460,22 @@ void ae_reshape_and_cache(int dt, const void *key, int64_t k_st, int64_t k_sh,
                           int64_t head_dim, const int64_t *slot_mapping, int64_t num_tokens,
                           int num_threads) {
     const int64_t es = elem_size(dt);
-    const int64_t D = head_dim, bs = block_size;
-    const int64_t head_elems = num_blocks * bs * D;
+    const int64_t head_elems = num_blocks * block_size * head_dim;
     char *k_base = (char *)kv_cache;
     char *v_base = k_base + num_kv_heads * head_elems * es;
     const int64_t items = num_tokens * num_kv_heads;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (items > 256)
     for (int64_t it = 0; it < items; it++) {
         const int64_t t = it / num_kv_heads, h = it % num_kv_heads;
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        const int64_t blk = slot / bs, off = slot % bs;
-        const int64_t block_start = h * head_elems + blk * bs * D;
-        memcpy(v_base + (block_start + off * D) * es,
-               (const char *)value + (t * v_st + h * v_sh) * es, (size_t)(D * es));
-        const char *k = (const char *)key + (t * k_st + h * k_sh) * es;
-        char *kdst = k_base + (block_start + off) * es;
-        if (es == 4) {
-            for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 4, k + d * 4, 4);
-        } else {
-            for (int64_t d = 0; d < D; d++) memcpy(kdst + d * bs * 2, k + d * 2, 2);
-        }
+        store_kv_slot(k_base, v_base, head_elems, h, slot_mapping[t], block_size, head_dim, es,
+                      (const char *)key + (t * k_st + h * k_sh) * es,
+                      (const char *)value + (t * v_st + h * v_sh) * es);
     }
 }
 
 /* Round n values to dtype `dt` and back, in place: what torch does between two half-precision
  * ops. (The dtype test sits outside the loops, so that they vectorise.) */
-static inline void round_row(float *restrict x, int64_t n, int dt) {
+static ALWAYS_INLINE void round_row(float *restrict x, int64_t n, int dt) {
     if (dt == AE_BF16) {
         for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
     } else if (dt == AE_F16) {
@@ -564,12 +577,19 @@ static inline void rotate_head(float *restrict x, const float *restrict c,
  * with cos/sin [T][D] in the dtype (row stride cs_st), rounded as transformers rounds.
  * With q_norm / k_norm given (Qwen3's per-head norms), each head is first RMS-normalised over
  * its D values with that weight (as ae_rms_norm, eps). NULL leaves the heads as they are.
+ * With kv_cache given, each token's rotated keys and its values (v, v_st, v_sh) are also
+ * written to the cache at slot_mapping[t], as ae_reshape_and_cache writes them (the layer's
+ * cache: [2, hkv, num_blocks, block_size, D]).
  */
 void ae_rotary(int dt, void *q, int64_t q_st, int64_t q_sh, int64_t hq, void *k, int64_t k_st,
                int64_t k_sh, int64_t hkv, const void *cos, const void *sin, int64_t cs_st,
                int64_t T, int64_t D, const void *q_norm, const void *k_norm, float eps,
-               int num_threads) {
+               const void *v, int64_t v_st, int64_t v_sh, void *kv_cache, int64_t num_blocks,
+               int64_t block_size, const int64_t *slot_mapping, int num_threads) {
     const int64_t es = elem_size(dt);
+    const int64_t head_elems = num_blocks * block_size * D;
+    char *k_base = (char *)kv_cache;
+    char *v_base = kv_cache ? k_base + hkv * head_elems * es : NULL;
 #pragma omp parallel num_threads(num_threads) if (T * (hq + hkv) * D >= 32768)
     {
         float *buf = malloc((size_t)(5 * D) * sizeof(float));
@@ -599,6 +619,10 @@ void ae_rotary(int dt, void *q, int64_t q_st, int64_t q_sh, int64_t hq, void *k,
                 }
                 rotate_head(buf, c, s, a, b, D, dt);
                 store_f32(x, buf, D, dt);
+                if (!is_q && kv_cache)
+                    store_kv_slot(k_base, v_base, head_elems, h - hq, slot_mapping[t],
+                                  block_size, D, es, x,
+                                  (const char *)v + (t * v_st + (h - hq) * v_sh) * es);
             }
         }
         free(buf);

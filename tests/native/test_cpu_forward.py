@@ -168,3 +168,27 @@ def test_projections_are_joined_only_when_that_changes_nothing() -> None:
     assert cpu_forward._joint([plain[0], nn.Identity()]) is None
     # fp32 GEMMs are not joined (MKL's kernels depend on the output width).
     assert cpu_forward._joint([nn.Linear(16, 8), nn.Linear(16, 4)]) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_writes_the_cache_as_the_cache_writer(dtype: torch.dtype) -> None:
+    from asyncengine.kernels.paged_attention_cpu import reshape_and_cache_cpu
+
+    g = torch.Generator().manual_seed(4)
+    num_tokens, hq, hkv, d = 9, 4, 2, 16
+    qkv = torch.randn(num_tokens, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    cos, sin = (
+        torch.randn(num_tokens, d, generator=g).to(dtype),
+        torch.rand(num_tokens, d).to(dtype),
+    )
+    slots = torch.tensor([3, 17, 18, 40, -1, 5, 0, 33, 47])  # -1: padding, not written
+    want_q, want_k = q.clone(), k.clone()
+    rotary_cpu(want_q, want_k, cos, sin)
+    want_cache = torch.zeros(2, hkv, 3, 16, d, dtype=dtype)
+    reshape_and_cache_cpu(want_k, v, want_cache, slots)
+    cache = torch.zeros_like(want_cache)
+    rotary_cpu(q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(cache, want_cache)
+    with pytest.raises(ValueError, match="values"):
+        rotary_cpu(q, k, cos, sin, kv_cache=cache, slot_mapping=slots)
