@@ -111,10 +111,16 @@ def require_native() -> NativeKernels:
     return lib
 
 
+def _function(lib: ctypes.CDLL, name: str, argtypes: list[object]) -> Callable[..., None]:
+    """The library's C function `name` (returning void), with its argument types declared."""
+    fn = getattr(lib, name)
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn  # type: ignore[no-any-return]
+
+
 def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
-    attention = lib.ae_paged_attention
-    attention.restype = None
-    attention.argtypes = [
+    attention = _function(lib, "ae_paged_attention", [
         ctypes.c_int,  # dtype code
         _ptr, _i64, _i64,  # query, token stride, head stride
         _ptr, _i64, _i64,  # out, token stride, head stride
@@ -122,33 +128,25 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _ptr, _ptr,  # q_start (int64), q_lens, seq_lens (int32)
         _ptr, _i64, _i64,  # block_table (int32), its row stride, sequences
         ctypes.c_float, ctypes.c_int,  # scale, threads
-    ]  # fmt: skip
-    cache = lib.ae_reshape_and_cache
-    cache.restype = None
-    cache.argtypes = [
+    ])  # fmt: skip
+    cache = _function(lib, "ae_reshape_and_cache", [
         ctypes.c_int,
         _ptr, _i64, _i64,  # key, token stride, head stride
         _ptr, _i64, _i64,  # value, token stride, head stride
         _ptr, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D
         _ptr, _i64, ctypes.c_int,  # slot_mapping, tokens, threads
-    ]  # fmt: skip
-    rms_norm = lib.ae_rms_norm
-    rms_norm.restype = None
-    rms_norm.argtypes = [
+    ])  # fmt: skip
+    rms_norm = _function(lib, "ae_rms_norm", [
         ctypes.c_int,
         _ptr, _i64, _ptr, _i64,  # x, its row stride, out, its row stride
         _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
-    ]  # fmt: skip
-    add_rms_norm = lib.ae_add_rms_norm
-    add_rms_norm.restype = None
-    add_rms_norm.argtypes = [
+    ])  # fmt: skip
+    add_rms_norm = _function(lib, "ae_add_rms_norm", [
         ctypes.c_int,
         _ptr, _i64, _ptr, _i64, _ptr, _i64,  # x, residual (in place), out, their row strides
         _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
-    ]  # fmt: skip
-    rotary = lib.ae_rotary
-    rotary.restype = None
-    rotary.argtypes = [
+    ])  # fmt: skip
+    rotary = _function(lib, "ae_rotary", [
         ctypes.c_int,
         _ptr, _i64, _i64, _i64,  # q, token stride, head stride, heads
         _ptr, _i64, _i64, _i64,  # k, token stride, head stride, heads
@@ -157,20 +155,16 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _i64,  # v, token stride, head stride (or NULL: no cache write)
         _ptr, _i64, _i64, _ptr,  # kv_cache (or NULL), blocks, block size, slot_mapping
         ctypes.c_int,  # threads
-    ]  # fmt: skip
-    silu_mul = lib.ae_silu_mul
-    silu_mul.restype = None
-    silu_mul.argtypes = [
+    ])  # fmt: skip
+    silu_mul = _function(lib, "ae_silu_mul", [
         ctypes.c_int,
         _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
         _i64, _i64, ctypes.c_int,  # rows, n, threads
-    ]  # fmt: skip
-    argmax_rows = lib.ae_argmax_rows
-    argmax_rows.restype = None
-    argmax_rows.argtypes = [
+    ])  # fmt: skip
+    argmax_rows = _function(lib, "ae_argmax_rows", [
         ctypes.c_int,
         _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int,  # x, row stride, rows, n, out, threads
-    ]  # fmt: skip
+    ])  # fmt: skip
     return NativeKernels(
         path=path,
         argmax_rows=argmax_rows,
