@@ -42,14 +42,15 @@ def plan_prefills(
     block_table: torch.Tensor,  # [B, max_blocks] int64
     block_size: int,
     dtype: torch.dtype,
+    min_query_len: int = 2,
 ) -> list[_Prefill]:
-    """The sequences with more than one query token, with what attending them needs."""
+    """The sequences with at least `min_query_len` query tokens, with what attending them needs."""
     device = block_table.device
     prefills: list[_Prefill] = []
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
-        if q_len <= 1:
+        if q_len < min_query_len:
             continue
         if seq_len == q_len:
             prefills.append(_Prefill(start, end, seq_len, None, None))

@@ -53,20 +53,11 @@ def plan_paged_attention_cpu(
     q_lens = np.diff(starts)
     lens = np.asarray(seq_lens, dtype=np.int64)
     native = np.flatnonzero(q_lens <= native_max_query_len)
-    long_rows = np.flatnonzero(q_lens > native_max_query_len)
     nb = -(-int(lens[native].max(initial=0)) // block_size)
-    prefills: list[_Prefill] = []
-    if long_rows.size:
-        # plan_prefills keeps the sequences with more than one query token: pass it only these.
-        sub_loc = [0]
-        for i in long_rows.tolist():
-            sub_loc.append(sub_loc[-1] + int(q_lens[i]))
-        rows = torch.from_numpy(long_rows)
-        prefills = plan_prefills(
-            sub_loc, lens[long_rows].tolist(), block_table[rows], block_size, dtype
-        )
-        for p, i in zip(prefills, long_rows.tolist(), strict=True):
-            p.start, p.end = int(starts[i]), int(starts[i + 1])
+    prefills = plan_prefills(
+        query_start_loc, seq_lens, block_table, block_size, dtype,
+        min_query_len=native_max_query_len + 1,
+    )  # fmt: skip
     return CpuAttentionPlan(
         q_start=torch.from_numpy(starts[native]),
         q_lens=torch.from_numpy(q_lens[native].astype(np.int32)),

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
 
 _ARCHITECTURES = {
@@ -93,13 +94,6 @@ class CpuForward:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
     ) -> torch.Tensor:  # [S, V]
-        from asyncengine.kernels.fused_cpu import (
-            add_rms_norm_cpu,
-            rms_norm_cpu,
-            rotary_cpu,
-            silu_mul_cpu,
-        )
-
         num_tokens, d = input_ids.shape[0], self._head_dim
         residual: torch.Tensor = self._embed(input_ids)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
@@ -204,7 +198,6 @@ def join_projections(model: nn.Module) -> int:
         qkv = _joint([attn.q_proj, attn.k_proj, attn.v_proj])
         if qkv is not None:
             attn.qkv_proj = qkv
-            attn.qkv_sizes = (attn.q_proj.out_features, attn.k_proj.out_features)
             del attn.q_proj, attn.k_proj, attn.v_proj
             joined += 1
         gate_up = _joint([mlp.gate_proj, mlp.up_proj])
@@ -227,7 +220,10 @@ def _collect(layer: nn.Module, head_dim: int) -> _Layer:
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
     joint_qkv = getattr(attn, "qkv_proj", None)
-    k_out = attn.k_proj.out_features if joint_qkv is None else attn.qkv_sizes[1]
+    if joint_qkv is None:
+        kv_features = attn.k_proj.out_features
+    else:  # the joint projection is [q; k; v], and o_proj reads q's width back
+        kv_features = (joint_qkv.out_features - attn.o_proj.in_features) // 2
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     input_norm: Any = layer.input_layernorm
     post_norm: Any = layer.post_attention_layernorm
@@ -242,7 +238,7 @@ def _collect(layer: nn.Module, head_dim: int) -> _Layer:
         q_norm=q_norm.weight if q_norm is not None else None,
         k_norm=k_norm.weight if k_norm is not None else None,
         head_eps=float(q_norm.variance_epsilon) if q_norm is not None else 0.0,
-        num_kv_heads=k_out // head_dim,
+        num_kv_heads=kv_features // head_dim,
         o_proj=attn.o_proj,
         gate_up=getattr(mlp, "gate_up_proj", None),
         gate_proj=getattr(mlp, "gate_proj", None),
