@@ -92,7 +92,7 @@ def _start(
     from asyncengine.model.loader import import_model_code
 
     # A worker process is the engine's own, like the core's: see import_model_code.
-    import_model_code(config.model_config, freeze=True)
+    import_model_code(config.model_config, freeze=True, tensor_parallel=True)
 
     import torch
 

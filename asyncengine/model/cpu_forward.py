@@ -29,10 +29,12 @@ Two calls set it up, around the CPU weight packing (which replaces linear module
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
@@ -49,7 +51,9 @@ _SILUS = frozenset({"SiLUActivation", "SiLU"})
 
 
 @dataclass(slots=True)
-class _Layer:
+class LeanLayer:
+    """One decoder layer's weights, as the lean forward runs them."""
+
     input_norm: torch.Tensor  # [hidden] weights
     post_norm: torch.Tensor
     eps: float
@@ -70,21 +74,59 @@ class _Layer:
     scale: float
 
 
-class CpuForward:
-    """`model(input_ids, positions, attn, logits_indices) -> logits [S, V]` for one step."""
+Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-    def __init__(self, model: nn.Module) -> None:
+
+class CpuForward:
+    """`model(input_ids, positions, attn, logits_indices) -> logits [S, V]` for one step.
+
+    Built from a transformers model (`from_model`) or straight from a checkpoint
+    (`asyncengine.model.cpu_checkpoint`); the arguments are the weights it runs on.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_weight: torch.Tensor,  # [V, hidden], plain: the lookup reads rows
+        rotary: Rotary,  # (x, position_ids [1, T]) -> cos, sin [1, T, D], as transformers'
+        final_norm: torch.Tensor,
+        final_eps: float,
+        lm_head: nn.Module,
+        head_dim: int,
+        layers: list[LeanLayer],
+    ) -> None:
+        self._embed_weight = embed_weight
+        self._rotary = rotary
+        self._final_norm = final_norm
+        self._final_eps = final_eps
+        self._lm_head = lm_head
+        self._head_dim = head_dim
+        self._layers = layers
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> CpuForward:
+        """The forward of a transformers model (after `join_projections` and the packing)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"CpuForward: {reason}")
         base: Any = model.model  # type: ignore[union-attr]
-        self._embed: nn.Module = base.embed_tokens
-        self._rotary: nn.Module = base.rotary_emb
-        self._final_norm: torch.Tensor = base.norm.weight
-        self._final_eps = float(base.norm.variance_epsilon)
-        self._lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
-        self._head_dim = _head_dim(model)
-        self._layers = [_collect(layer, self._head_dim) for layer in base.layers]
+        head_dim = _head_dim(model)
+        return cls(
+            embed_weight=base.embed_tokens.weight,
+            rotary=base.rotary_emb,
+            final_norm=base.norm.weight,
+            final_eps=float(base.norm.variance_epsilon),
+            lm_head=model.lm_head,  # type: ignore[arg-type]
+            head_dim=head_dim,
+            layers=[_collect(layer, head_dim) for layer in base.layers],
+        )
+
+    def linear_layers(self) -> list[nn.Module]:
+        """Every projection it multiplies by, the lm_head last."""
+        names = ("qkv", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up", "gate_proj",
+                 "up_proj", "down_proj")  # fmt: skip
+        found = [getattr(layer, n) for layer in self._layers for n in names]
+        return [m for m in found if m is not None] + [self._lm_head]
 
     @torch.inference_mode()
     def __call__(
@@ -95,7 +137,7 @@ class CpuForward:
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
     ) -> torch.Tensor:  # [S, V]
         num_tokens, d = input_ids.shape[0], self._head_dim
-        residual: torch.Tensor = self._embed(input_ids)  # [T, hidden]
+        residual = F.embedding(input_ids, self._embed_weight)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
         backend, plan, slots = attn.backend, attn.plan, attn.slot_mapping
@@ -138,7 +180,7 @@ class CpuForward:
 
 
 def _project_qkv(
-    layer: _Layer, x: torch.Tensor, num_tokens: int, d: int
+    layer: LeanLayer, x: torch.Tensor, num_tokens: int, d: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H_q, D], k and v [T, H_kv, D]: column views of one joint GEMM, or three GEMMs."""
     if layer.qkv is not None:
@@ -216,7 +258,7 @@ def _head_dim(model: nn.Module) -> int:
     return int(attn.head_dim)
 
 
-def _collect(layer: nn.Module, head_dim: int) -> _Layer:
+def _collect(layer: nn.Module, head_dim: int) -> LeanLayer:
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
     joint_qkv = getattr(attn, "qkv_proj", None)
@@ -227,7 +269,7 @@ def _collect(layer: nn.Module, head_dim: int) -> _Layer:
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     input_norm: Any = layer.input_layernorm
     post_norm: Any = layer.post_attention_layernorm
-    return _Layer(
+    return LeanLayer(
         input_norm=input_norm.weight,
         post_norm=post_norm.weight,
         eps=float(input_norm.variance_epsilon),
@@ -249,32 +291,63 @@ def _collect(layer: nn.Module, head_dim: int) -> _Layer:
 
 
 def _joint(parts: list[nn.Module]) -> nn.Linear | None:
-    """One linear layer computing `parts` side by side, if its outputs are theirs to the bit.
-
-    Only for bf16/fp16 weights, whose oneDNN GEMMs reduce over the input features in the same
-    order whatever the output width: fp32 GEMMs (MKL) pick other kernels for other widths,
-    and do give other last bits (seen on one-row products). A probe checks it anyway.
-    """
+    """One linear layer computing `parts` side by side, if its outputs are theirs to the bit."""
     if not all(type(p) is nn.Linear for p in parts):
         return None
     linears: list[nn.Linear] = parts  # type: ignore[assignment]
-    has_bias = [p.bias is not None for p in linears]
-    first = linears[0].weight
+    joint = joint_weights([p.weight for p in linears], [p.bias for p in linears])
+    if joint is None:
+        return None
+    weight, bias = joint
+    layer = nn.Linear(1, 1, bias=False, device="meta")  # no initialisation of the real size
+    layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None  # type: ignore[assignment]
+    return layer
+
+
+def joint_weights(
+    weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weights (and biases) of one linear layer computing these side by side, if a probe
+    shows its outputs are theirs to the bit; None otherwise.
+
+    Only for bf16/fp16 weights, whose oneDNN GEMMs reduce over the input features in the same
+    order whatever the output width: fp32 GEMMs (MKL) pick other kernels for other widths,
+    and do give other last bits (seen on one-row products). A probe checks it anyway. Biases
+    must be on all parts or none.
+    """
+    first = weights[0]
+    has_bias = [b is not None for b in biases]
     if any(has_bias) != all(has_bias) or first.dtype not in (torch.bfloat16, torch.float16):
         return None
-    joint = nn.Linear(
-        first.shape[1], sum(p.out_features for p in linears), bias=all(has_bias),
-        dtype=first.dtype, device=first.device,
-    )  # fmt: skip
-    joint.requires_grad_(False)
     with torch.no_grad():
-        joint.weight.copy_(torch.cat([p.weight for p in linears]))
-        if joint.bias is not None:
-            joint.bias.copy_(torch.cat([p.bias for p in linears]))  # type: ignore[misc]
-        g = torch.Generator(device=first.device).manual_seed(0)
-        for rows in (1, 3, 17, 64):  # GEMMs of other heights may block differently
-            x = torch.randn(rows, first.shape[1], generator=g, device=first.device)
-            x = x.to(first.dtype)
-            if not torch.equal(joint(x), torch.cat([p(x) for p in linears], dim=-1)):
-                return None
-    return joint
+        weight = torch.cat([w.detach() for w in weights])
+        bias = torch.cat([b.detach() for b in biases if b is not None]) if all(has_bias) else None
+        # Which kernel a GEMM runs depends on its shapes and dtype, not on the numbers: one
+        # probe per kind of layer (a model's layers are all alike) answers for the rest.
+        key = (tuple(w.shape for w in weights), first.dtype, first.device, all(has_bias))
+        if key not in _PROBED:
+            _PROBED[key] = _same_bits(weight, bias, weights, biases)
+        if not _PROBED[key]:
+            return None
+    return weight, bias
+
+
+_PROBED: dict[tuple[Any, ...], bool] = {}
+
+
+def _same_bits(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+) -> bool:
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    for rows in (1, 3, 17, 64):  # GEMMs of other heights may block differently
+        x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device)
+        x = x.to(weight.dtype)
+        parts = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        if not torch.equal(F.linear(x, weight, bias), torch.cat(parts, dim=-1)):
+            return False
+    return True

@@ -14,6 +14,7 @@ lacks the dtype, so an unusual build of torch only loses the speed-up.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -31,8 +32,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        self.out_features, self.in_features = linear.weight.shape
         # An opaque mkldnn tensor: kept as a plain attribute, outside the state dict.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach(), _BATCH_HINT
@@ -47,6 +47,33 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class DenseLinear(nn.Module):
+    """`x @ weight.T + bias` over given tensors: `nn.Linear` without its initialisation."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether `linear_layer` packs CPU weights of this dtype."""
+    return dtype in _PACKABLE and _packing_works(dtype)
+
+
+def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A linear layer over `weight` [out, in] and `bias`: packed where `pack_linear_layers`
+    would pack it, plain otherwise. Gives `F.linear(x, weight, bias)`'s numbers either way."""
+    dense = DenseLinear(weight, bias)
+    if weight.device.type == "cpu" and packs(weight.dtype):
+        return PackedLinear(dense)  # type: ignore[arg-type]
+    return dense
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
@@ -64,6 +91,7 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     return len(linears)
 
 
+@functools.cache
 def _packing_works(dtype: torch.dtype) -> bool:
     """oneDNN is there, takes this dtype, and gives F.linear's numbers on a small case."""
     try:

@@ -40,13 +40,19 @@ def resolve_model_class(model_config: ModelConfig) -> type[torch.nn.Module]:
     return cls  # type: ignore[no-any-return]
 
 
-def import_model_code(model_config: ModelConfig, *, freeze: bool) -> type[torch.nn.Module]:
-    """`resolve_model_class` with the cyclic GC paused through the imports it makes.
+def import_model_code(
+    model_config: ModelConfig, *, freeze: bool, tensor_parallel: bool = False
+) -> None:
+    """Import what loading `model_config` will run in this process, with the cyclic GC paused.
+
+    That is torch and the lean CPU loader where it takes the checkpoint (see
+    `cpu_checkpoint.lean_checkpoint_reason`; never with `tensor_parallel`), and otherwise
+    transformers' model code too (`resolve_model_class`).
 
     Importing transformers' modelling code makes about 600,000 objects that live as long as
-    the process. Left on, the cyclic GC walks the growing heap again and again while they are
-    made: about 0.6 s of the 2.7 s the imports take on the 2-core benchmark machine. Paused,
-    the heap is walked once at most. Afterwards:
+    the process (torch alone about 150,000). Left on, the cyclic GC walks the growing heap
+    again and again while they are made: about 0.6 s of the 2.7 s the imports take on the
+    2-core benchmark machine. Paused, the heap is walked once at most. Afterwards:
 
     - `freeze=True`, for processes the engine owns: the objects move to the permanent
       generation and are never walked again, neither now nor by a later full collection. The
@@ -62,11 +68,12 @@ def import_model_code(model_config: ModelConfig, *, freeze: bool) -> type[torch.
     if "transformers.modeling_utils" in sys.modules:
         # Imported before (an earlier engine in this process): what is left to import is
         # small, and a full collection of an application's heap would cost more than it saves.
-        return resolve_model_class(model_config)
+        _import_for(model_config, tensor_parallel)
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return resolve_model_class(model_config)
+        _import_for(model_config, tensor_parallel)
     finally:
         if freeze:
             gc.freeze()
@@ -74,6 +81,15 @@ def import_model_code(model_config: ModelConfig, *, freeze: bool) -> type[torch.
             if not freeze:
                 gc.collect()
             gc.enable()
+
+
+def _import_for(model_config: ModelConfig, tensor_parallel: bool) -> None:
+    if not tensor_parallel and model_config.attention_backend == "cpu":
+        from asyncengine.model.cpu_checkpoint import lean_checkpoint_reason
+
+        if lean_checkpoint_reason(model_config) is None:
+            return
+    resolve_model_class(model_config)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:

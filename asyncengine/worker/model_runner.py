@@ -6,6 +6,7 @@ model forward with logits only at sampling positions → Sampler → ModelRunner
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,8 @@ from asyncengine.sched.output import (
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingRequestState, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -73,6 +76,15 @@ class ModelRunner:
         get_backend(model_config.attention_backend, device)
 
     def load_model(self) -> None:
+        if self.device.type == "cpu" and self.tp is None:
+            from asyncengine.model import cpu_checkpoint
+
+            reason = cpu_checkpoint.lean_checkpoint_reason(self.model_config)
+            if reason is None:
+                # Straight from the checkpoint: transformers is never imported.
+                self.cpu_forward = cpu_checkpoint.load_cpu_forward(self.model_config)
+                return
+            logger.info("loading through transformers: %s", reason)
         self.model = load_model(self.model_config, self.device)
         if self.tp is not None:
             from asyncengine.model.tensor_parallel import shard_model
@@ -91,7 +103,7 @@ class ModelRunner:
             # After sharding: the shards are what each rank multiplies by.
             pack_linear_layers(self.model, self.dtype)
             if lean:
-                self.cpu_forward = cpu_forward.CpuForward(self.model)
+                self.cpu_forward = cpu_forward.CpuForward.from_model(self.model)
             elif self.model_config.attention_backend == "cpu":
                 from asyncengine.model.fused_ops import use_native_cpu_ops
 
@@ -123,13 +135,14 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        assert self.model is not None, "load_model() first"
+        assert self.model is not None or self.cpu_forward is not None, "load_model() first"
         batch = self._prepare_inputs(scheduler_output)
         # Only the driver rank samples: the others skip the lm_head entirely.
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
         if self.cpu_forward is not None:
             logits = self.cpu_forward(batch.input_ids[0], batch.positions[0], batch.attn, keep)
         else:
+            assert self.model is not None
             logits = self.model(
                 input_ids=batch.input_ids,
                 position_ids=batch.positions,

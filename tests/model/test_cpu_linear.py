@@ -48,8 +48,10 @@ def test_bf16_engine_runs_packed_and_matches_unpacked(
 
     def run() -> tuple[list[list[int]], list[float], int]:
         llm = LLM(model_dir, dtype="bfloat16")
-        model = llm.engine.engine_core.executor.worker.model_runner.model
-        packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+        runner = llm.engine.engine_core.executor.worker.model_runner
+        # The lean CPU forward, loaded straight from the checkpoint, holds the layers.
+        layers = runner.cpu_forward.linear_layers()
+        packed = sum(isinstance(m, PackedLinear) for m in layers)
         outs = llm.generate(prompts, params, use_tqdm=False)
         logprobs = [next(iter(o.outputs[0].logprobs[-1].values())).logprob for o in outs]
         return [o.outputs[0].token_ids for o in outs], logprobs, packed

@@ -7,8 +7,10 @@ and without it give the same tokens and logprobs, to the bit, in fp32 and bf16.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch import nn
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import load_native
 from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rotary_cpu
-from asyncengine.model import cpu_forward
+from asyncengine.model import cpu_checkpoint, cpu_forward
 from asyncengine.testing.models import TINY_ARCHITECTURES
 
 pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
@@ -114,26 +116,58 @@ def _run(model_dir: Path, dtype: str) -> list[tuple[list[int], list[list[float]]
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_gives_the_same_numbers_with_and_without_it(
-    arch: str, dtype: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    arch: str,
+    dtype: str,
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    model_dir = tiny_model_factory(arch)
+    """Three ways to run one checkpoint, the same numbers: the lean forward built straight from
+    the checkpoint (the default), the lean forward over transformers' loaded model, and
+    transformers' own forward."""
+    model_dir = shutil.copytree(tiny_model_factory(arch), tmp_path / arch)
+    _perturb_vectors(model_dir)
     built: list[cpu_forward.CpuForward] = []
     real_init = cpu_forward.CpuForward.__init__
 
-    def spy(self: cpu_forward.CpuForward, model: nn.Module) -> None:
-        real_init(self, model)
+    def spy(self: cpu_forward.CpuForward, **parts: Any) -> None:
+        real_init(self, **parts)
         built.append(self)
 
     monkeypatch.setattr(cpu_forward.CpuForward, "__init__", spy)
-    lean = _run(model_dir, dtype)
-    assert len(built) == 1
-    # Joint q/k/v and gate/up projections in every layer, for bf16 only (see _joint).
+    loads: list[object] = []
+    real_load = cpu_checkpoint.load_cpu_forward
+    monkeypatch.setattr(
+        cpu_checkpoint, "load_cpu_forward", lambda config: loads.append(config) or real_load(config)
+    )
+    from_checkpoint = _run(model_dir, dtype)
+    assert len(built) == 1 and len(loads) == 1
+    # Joint q/k/v and gate/up projections in every layer, for bf16 only (see joint_weights).
     joined = dtype == "bfloat16"
     for layer in built[0]._layers:
         assert (layer.qkv is not None, layer.gate_up is not None) == (joined, joined)
+    monkeypatch.setattr(cpu_checkpoint, "lean_checkpoint_reason", lambda config: "switched off")
+    assert _run(model_dir, dtype) == from_checkpoint
+    assert len(built) == 2 and len(loads) == 1
+    for layer in built[1]._layers:
+        assert (layer.qkv is not None, layer.gate_up is not None) == (joined, joined)
     monkeypatch.setattr(cpu_forward, "unsupported_reason", lambda model: "switched off")
-    assert _run(model_dir, dtype) == lean
-    assert len(built) == 1
+    assert _run(model_dir, dtype) == from_checkpoint
+    assert len(built) == 2
+
+
+def _perturb_vectors(model_dir: Path) -> None:
+    """Random norm weights and biases (the tiny builder leaves them ones and zeros)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(9)
+    for name, t in tensors.items():
+        if t.dim() == 1:
+            noise = torch.randn(t.shape, generator=g) * (0.1 if "bias" in name else 0.2)
+            tensors[name] = (t.float() + noise).to(t.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def test_models_it_does_not_take_run_through_transformers(

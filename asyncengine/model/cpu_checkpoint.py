@@ -1,0 +1,269 @@
+"""Build the lean CPU forward straight from a safetensors checkpoint, without transformers.
+
+Importing transformers' model code takes about 1.3 s and 240 MB of resident memory in the
+engine process. Loading through `from_pretrained` leaves another ~250 MB of freed-but-kept
+heap behind. The lean forward (`cpu_forward.py`) does not need either, because it only runs
+on the weights. So for the checkpoints it can read, this module reads config.json and the
+safetensors files itself:
+
+- Llama, Mistral, Qwen2 and Qwen3;
+- SiLU MLPs and the rope types in `rope.py`;
+- one `model.safetensors`, or shards listed in `model.safetensors.index.json`;
+- on the "cpu" attention backend, without tensor parallelism.
+
+It casts each tensor to the engine's dtype, joins and packs the projections layer by layer,
+and returns the malloc arena's free pages to the system at the end. The numbers stay the
+same as transformers' path: the same casts, the same GEMMs, the same rotary tables
+(tests/native/test_cpu_checkpoint.py). Everything else loads through transformers as before:
+`lean_checkpoint_reason` says why a checkpoint is not taken.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncengine.config import ModelConfig
+from asyncengine.model.cpu_forward import CpuForward, LeanLayer, joint_weights
+from asyncengine.model.cpu_linear import linear_layer, packs
+from asyncengine.model.rope import RopeSpec, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DEFAULT_EPS = 1e-6  # every one of the four configs' rms_norm_eps default
+
+
+def lean_checkpoint_reason(model_config: ModelConfig) -> str | None:
+    """Why `load_cpu_forward` cannot build this model (None: it can).
+
+    Reads config.json and the safetensors headers only: no tensor data, no torch ops.
+    """
+    try:
+        _Plan.make(model_config)
+    except _NotLean as exc:
+        return str(exc)
+    return None
+
+
+def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
+    """The lean forward over the checkpoint's weights, in `model_config.dtype`, on the CPU.
+
+    ValueError when `lean_checkpoint_reason` gives a reason.
+    """
+    try:
+        plan = _Plan.make(model_config)
+    except _NotLean as exc:
+        raise ValueError(f"the lean CPU loader cannot read {model_config.model}: {exc}") from None
+    dtype: torch.dtype = getattr(torch, model_config.dtype)
+    with _open_tensors(plan.files) as read:
+        # safetensors' tensors view the file's mapping, which stays mapped (and resident) as
+        # long as any of them lives. Where the projections are packed (copied), the tensors
+        # kept as read are copied too, so that the mapping goes. Where nothing is packed, all
+        # of them stay views of the mapping, at transformers' addresses: fp32 GEMMs (MKL)
+        # give other last bits for weights at other alignments.
+        copy_kept = packs(dtype)
+
+        def get(name: str) -> torch.Tensor:
+            return read(name).to(dtype).contiguous()
+
+        def keep(name: str) -> torch.Tensor:
+            return read(name).to(dtype, copy=copy_kept).contiguous()
+
+        expected = set(plan.expected_names(model_config.num_layers))
+
+        def maybe(name: str) -> torch.Tensor | None:  # a bias or head norm the model has
+            return keep(name) if name in expected else None
+
+        layers = [_load_layer(plan, i, get, keep, maybe) for i in range(model_config.num_layers)]
+        embed = keep("model.embed_tokens.weight")
+        lm_head = linear_layer(embed if plan.tied else get("lm_head.weight"), None)
+        forward = CpuForward(
+            embed_weight=embed,
+            rotary=RotaryEmbedding(plan.rope),
+            final_norm=keep("model.norm.weight"),
+            final_eps=plan.eps,
+            lm_head=lm_head,
+            head_dim=model_config.head_dim,
+            layers=layers,
+        )
+    _release_free_heap()
+    return forward
+
+
+class _NotLean(Exception):
+    """Raised (and caught) while planning: the checkpoint is not one the loader takes."""
+
+
+class _Plan:
+    """What `load_cpu_forward` will read: tensor names to files, and the model's settings."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Path] = {}
+        self.rope: RopeSpec
+        self.eps = _DEFAULT_EPS
+        self.tied = False
+        self.qkv_bias = self.o_bias = self.mlp_bias = self.head_norms = False
+        self.num_kv_heads = 0
+
+    @classmethod
+    def make(cls, mc: ModelConfig) -> _Plan:
+        if mc.attention_backend != "cpu":
+            raise _NotLean(f"attention backend {mc.attention_backend!r}, not 'cpu'")
+        if mc.architecture not in _ARCHITECTURES:
+            raise _NotLean(f"architecture {mc.architecture!r} is not one of {_ARCHITECTURES}")
+        from asyncengine.kernels.cpu_native import load_native
+
+        if load_native() is None:
+            raise _NotLean("the native CPU kernels are unavailable")
+        model_dir = Path(mc.model)
+        hf: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+        if "text_config" in hf:
+            raise _NotLean("a nested text_config")
+        if "transformers_weights" in hf:
+            raise _NotLean("a weights file named in config.json")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise _NotLean(f"hidden_act {hf.get('hidden_act')!r}, not 'silu'")
+        plan = cls()
+        try:
+            plan.rope = RopeSpec.from_hf_config(hf, mc.head_dim)
+        except ValueError as exc:
+            raise _NotLean(str(exc)) from None
+        plan.eps = float(hf.get("rms_norm_eps", _DEFAULT_EPS))
+        plan.tied = bool(hf.get("tie_word_embeddings", False))
+        arch = mc.architecture
+        attention_bias = bool(hf.get("attention_bias", False))
+        plan.qkv_bias = arch == "Qwen2ForCausalLM" or (
+            attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        )
+        plan.o_bias = attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        plan.mlp_bias = arch == "LlamaForCausalLM" and bool(hf.get("mlp_bias", False))
+        plan.head_norms = arch == "Qwen3ForCausalLM"
+        plan.num_kv_heads = mc.num_kv_heads
+        plan.files = _tensor_files(model_dir)
+        missing = [name for name in plan.expected_names(mc.num_layers) if name not in plan.files]
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise _NotLean(f"the checkpoint lacks {len(missing)} tensors ({shown})")
+        return plan
+
+    def expected_names(self, num_layers: int) -> Iterator[str]:
+        yield from ("model.embed_tokens.weight", "model.norm.weight")
+        if not self.tied:
+            yield "lm_head.weight"
+        for i in range(num_layers):
+            p = f"model.layers.{i}."
+            yield from (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+            for proj, bias in (("q", self.qkv_bias), ("k", self.qkv_bias), ("v", self.qkv_bias),
+                               ("o", self.o_bias)):  # fmt: skip
+                yield p + f"self_attn.{proj}_proj.weight"
+                if bias:
+                    yield p + f"self_attn.{proj}_proj.bias"
+            if self.head_norms:
+                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+            for proj in ("gate", "up", "down"):
+                yield p + f"mlp.{proj}_proj.weight"
+                if self.mlp_bias:
+                    yield p + f"mlp.{proj}_proj.bias"
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the headers only."""
+    from safetensors import safe_open
+
+    # transformers' order: the single file first, then the shards' index.
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:  # type: ignore[no-untyped-call]
+            return dict.fromkeys(f.keys(), single)
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    raise _NotLean("no model.safetensors or model.safetensors.index.json")
+
+
+@contextmanager
+def _open_tensors(files: dict[str, Path]) -> Iterator[Callable[[str], torch.Tensor]]:
+    """`read(name) -> tensor`, each safetensors file opened once."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))  # type: ignore[no-untyped-call]
+            tensor: torch.Tensor = handles[path].get_tensor(name)
+            return tensor
+
+        yield read
+
+
+def _load_layer(plan: _Plan, i: int, get: Any, keep: Any, maybe: Any) -> LeanLayer:
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    names = [attn + f"{x}_proj" for x in "qkv"]
+    qkv_w = [get(n + ".weight") for n in names]
+    qkv_b = [maybe(n + ".bias") for n in names]
+    joint = joint_weights(qkv_w, qkv_b)
+    q_proj = k_proj = v_proj = qkv = None
+    if joint is not None:
+        qkv = linear_layer(*joint)
+    else:
+        q_proj, k_proj, v_proj = (linear_layer(w, b) for w, b in zip(qkv_w, qkv_b, strict=True))
+    del qkv_w, qkv_b, joint  # the joint copy replaces them: free them before the next layer
+    gate_w, up_w = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
+    gate_b, up_b = maybe(mlp + "gate_proj.bias"), maybe(mlp + "up_proj.bias")
+    joint = joint_weights([gate_w, up_w], [gate_b, up_b])
+    gate_proj = up_proj = gate_up = None
+    if joint is not None:
+        gate_up = linear_layer(*joint)
+    else:
+        gate_proj, up_proj = linear_layer(gate_w, gate_b), linear_layer(up_w, up_b)
+    del gate_w, up_w, joint
+    head_dim = plan.rope.head_dim
+    return LeanLayer(
+        input_norm=keep(p + "input_layernorm.weight"),
+        post_norm=keep(p + "post_attention_layernorm.weight"),
+        eps=plan.eps,
+        qkv=qkv,
+        q_proj=q_proj,
+        k_proj=k_proj,
+        v_proj=v_proj,
+        q_norm=maybe(attn + "q_norm.weight"),
+        k_norm=maybe(attn + "k_norm.weight"),
+        head_eps=plan.eps,
+        num_kv_heads=plan.num_kv_heads,
+        o_proj=linear_layer(get(attn + "o_proj.weight"), maybe(attn + "o_proj.bias")),
+        gate_up=gate_up,
+        gate_proj=gate_proj,
+        up_proj=up_proj,
+        down_proj=linear_layer(get(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias")),
+        scale=head_dim**-0.5,
+    )
+
+
+def _release_free_heap() -> None:
+    """Hand the pages malloc keeps for freed tensors back to the system (glibc only).
+
+    Loading frees as much as it keeps (the checkpoint's copies, once joined and packed), and
+    glibc keeps freed memory below its mmap threshold in its arenas: resident, unused.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
