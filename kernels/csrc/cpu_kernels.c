@@ -144,13 +144,14 @@ static ALWAYS_INLINE v16f load16_as_f32(const char *p, int dt) {
     return load16(tmp);
 }
 
-/* Scores of NG query heads against the keys of one transposed key block ([D][16] in the cache,
- * block_size 16): per dimension, one 16-key row widened once and NG broadcast FMAs. Even and
- * odd dimensions accumulate apart: two independent FMA chains per head hide the FMA latency. */
+/* Scores of NG query heads against 16 keys of a transposed key block ([D][block_size] in the
+ * cache, block_size a multiple of 16; row_bytes apart, kblock at the 16 keys' first column):
+ * per dimension, one 16-key row widened once and NG broadcast FMAs. Even and odd dimensions
+ * accumulate apart: two independent FMA chains per head hide the FMA latency. */
 #define DEFINE_SCORES(NG)                                                                      \
     static inline void scores_##NG(const float *restrict q, int64_t D, const char *kblock,     \
-                                   int dt, int64_t n, float *restrict out, int64_t ld_out) {   \
-        const int64_t row_bytes = LANES * elem_size(dt);                                        \
+                                   int64_t row_bytes, int dt, int64_t n, float *restrict out,  \
+                                   int64_t ld_out) {                                           \
         v16f acc[2][NG];                                                                        \
         for (int g = 0; g < NG; g++) acc[0][g] = acc[1][g] = (v16f){0};                         \
         for (int64_t d = 0; d < D; d += 2) {                                                    \
@@ -240,7 +241,7 @@ static ALWAYS_INLINE void prefetch_bytes(const char *p, int64_t bytes) {
  * each with the head's G query heads; row r is token r / G) attend over the first row_len[r / G]
  * cached tokens (causal: a later token sees more), len_max = row_len[NT - 1].
  * q: [R][D] fp32, already scaled. scores: [R][ld_scores] scratch. acc: [R][D] output.
- * Block size 16 with D a multiple of 16 (the usual case) reads the cache directly; anything
+ * A block size and D that are multiples of 16 (the usual case) read the cache directly; anything
  * else goes through fp32 copies of each block (kt: [D][ldk] zero-padded, vb: [bs][D]).
  *
  * The scores pass prefetches the next key block and this block's value block: blocks are
@@ -255,28 +256,32 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t es = elem_size(dt);
     const int64_t block_bytes = bs * D * es;
     const int64_t nblk = (len_max + bs - 1) / bs;
-    const int fast = bs == LANES && D % LANES == 0;
+    const int fast = bs % LANES == 0 && D % LANES == 0;
     /* 1. scores = q . k for every visible key, one block at a time */
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t n = len_max - b * bs < bs ? len_max - b * bs : bs;
         const char *kblock = k_head + (int64_t)blocks[b] * block_bytes;
         if (b + 1 < nblk) prefetch_bytes(k_head + (int64_t)blocks[b + 1] * block_bytes, block_bytes);
         prefetch_bytes(v_head + (int64_t)blocks[b] * block_bytes, n * D * es);
-        float *out = scores + b * bs;
         if (!fast) {
             for (int64_t d = 0; d < D; d++) load_f32(kblock + d * bs * es, kt + d * ldk, bs, dt);
-            scores_any(q, R, D, kt, ldk, n, out, ld_scores);
+            scores_any(q, R, D, kt, ldk, n, scores + b * bs, ld_scores);
             continue;
         }
-        int64_t r = 0;
-        for (; r + 8 <= R; r += 8) scores_8(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
-        if (R - r >= 4) {
-            scores_4(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
-            r += 4;
+        for (int64_t j0 = 0; j0 < n; j0 += LANES) { /* 16 keys at a time */
+            const char *kcols = kblock + j0 * es;
+            const int64_t m = n - j0 < LANES ? n - j0 : LANES, rb = bs * es;
+            float *out = scores + b * bs + j0;
+            int64_t r = 0;
+            for (; r + 8 <= R; r += 8) scores_8(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
+            if (R - r >= 4) {
+                scores_4(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
+                r += 4;
+            }
+            if (R - r == 3) scores_3(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
+            if (R - r == 2) scores_2(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
+            if (R - r == 1) scores_1(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
         }
-        if (R - r == 3) scores_3(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
-        if (R - r == 2) scores_2(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
-        if (R - r == 1) scores_1(q + r * D, D, kblock, dt, n, out + r * ld_scores, ld_scores);
     }
     /* 2. softmax over each row's visible scores, in place; zero past them (up to len_max), so
      * the values pass can run every row over len_max keys */

@@ -66,7 +66,7 @@ sequences = st.one_of(
     seqs=st.lists(sequences, min_size=1, max_size=6),
     heads=st.sampled_from([(1, 1), (4, 4), (4, 2), (6, 2), (9, 3), (8, 1), (32, 2)]),
     head_dim=st.sampled_from([16, 32, 64, 128]),
-    block_size=st.sampled_from([8, 16, 32]),
+    block_size=st.sampled_from([8, 16, 32, 64]),
     dtype=st.sampled_from(DTYPES),
     native_max_query_len=st.sampled_from([1, 6, 256]),
     seed=st.integers(0, 2**16),
