@@ -226,3 +226,26 @@ def test_rotary_writes_the_cache_as_the_cache_writer(dtype: torch.dtype) -> None
     assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(cache, want_cache)
     with pytest.raises(ValueError, match="values"):
         rotary_cpu(q, k, cos, sin, kv_cache=cache, slot_mapping=slots)
+
+
+def test_rotary_rounds_special_values_as_torch() -> None:
+    """The vectorised bf16 path: infinities, NaNs, huge and tiny values round as torch's ops do."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(6)
+    num_tokens, heads, d = 5, 2, 64
+    q = (torch.randn(num_tokens, heads, d, generator=g) * 3).to(torch.bfloat16)
+    k = (torch.randn(num_tokens, heads, d, generator=g) * 3).to(torch.bfloat16)
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 3e38, -3e38, 1e-40, 0.0])
+    q[0, 0, : specials.numel()] = specials.to(torch.bfloat16)
+    k[1, 1, 32 : 32 + specials.numel()] = specials.to(torch.bfloat16)
+    cos = torch.randn(num_tokens, d, generator=g).to(torch.bfloat16)
+    sin = torch.randn(num_tokens, d, generator=g).to(torch.bfloat16)
+    want_q, want_k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    rotary_cpu(q, k, cos, sin)
+    for got, want in ((q.transpose(0, 1)[None], want_q), (k.transpose(0, 1)[None], want_k)):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
