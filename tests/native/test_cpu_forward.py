@@ -249,3 +249,33 @@ def test_rotary_rounds_special_values_as_torch() -> None:
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan)
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.timeout(300)
+def test_long_prefills_run_the_mlp_in_chunks_with_the_same_numbers(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1,100-token prefill step (MLP in row chunks) gives transformers' numbers."""
+    assert cpu_forward._MLP_CHUNK_ROWS * 2 <= 1100
+    model_dir = tiny_model_factory("qwen2", max_position_embeddings=1024)
+    prompts = [list(range(3, 403)), [(i * 7) % 500 for i in range(700)]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run() -> list[tuple[list[int], list[list[float]]]]:
+        llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=2048)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            assert c.logprobs is not None
+            lps = [sorted(v.logprob for v in step.values()) for step in c.logprobs]
+            results.append((list(c.token_ids), lps))
+        return results
+
+    chunked = run()
+    monkeypatch.setattr(cpu_checkpoint, "lean_checkpoint_reason", lambda config: "switched off")
+    monkeypatch.setattr(cpu_forward, "unsupported_reason", lambda model: "switched off")
+    assert run() == chunked
