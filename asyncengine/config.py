@@ -20,6 +20,11 @@ _POLICIES = ("fcfs", "priority")
 _EXECUTOR_BACKENDS = ("uni", "mp")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+# The default token budget of a step. On CPUs a step of 2,048 prompt tokens takes ~0.5 s for a
+# 135M model, and every request admitted in it waits that long for its first token; 1,024 halves
+# that wait at no cost in throughput (the GEMMs are at the cores' peak from a few hundred rows):
+# 64 concurrent SmolLM2 requests, TTFT p50 1.14-1.26 -> 0.86-0.96 s, same tokens/s.
+_DEFAULT_BATCHED_TOKENS = {"cpu": 1024, "cuda": 2048}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +101,7 @@ class EngineConfig:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
@@ -112,6 +117,8 @@ class EngineConfig:
         _check_choice("device", device, _DEVICES)
         _check_choice("scheduling_policy", scheduling_policy, _POLICIES)
         resolved_device = _resolve_device(device)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = _DEFAULT_BATCHED_TOKENS[resolved_device]
         for name, value, low in (
             ("block_size", block_size, 1),
             ("max_num_seqs", max_num_seqs, 1),
