@@ -44,8 +44,8 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-num-seqs", dict(dest="max_num_seqs", type=int, metavar="N",
                             help="most requests running at once (default: 256)")),
     ("--max-num-batched-tokens", dict(dest="max_num_batched_tokens", type=int, metavar="N",
-                                      help="most tokens in one forward pass (default: 1024 on "
-                                           "CPU, 2048 on CUDA)")),
+                                      help="most tokens in one forward pass (default: 1024 "
+                                           "on CPU when serving, else 2048)")),
     ("--max-model-len", dict(dest="max_model_len", type=int, metavar="N",
                              help="longest prompt + output, in tokens (default: the model's)")),
     ("--no-enable-prefix-caching", dict(dest="enable_prefix_caching", action="store_const",

@@ -234,14 +234,19 @@ def test_unknown_engine_keyword(tiny_llama: Path) -> None:
         LLM(tiny_llama, max_batch=3)
 
 
-def test_the_default_token_budget_depends_on_the_device(tiny_llama: Path) -> None:
+def test_the_default_token_budget_depends_on_the_device_and_the_api(tiny_llama: Path) -> None:
     from asyncengine.config import EngineConfig
 
     def budget(**kwargs: object) -> int:
         config = EngineConfig.from_kwargs(tiny_llama, **kwargs)  # type: ignore[arg-type]
         return config.scheduler_config.max_num_batched_tokens
 
-    assert budget(device="cpu") == 1024  # shorter steps: earlier first tokens on a slow device
+    assert budget(device="cpu") == 1024  # serving: shorter steps, earlier first tokens
     assert budget(device="cpu", max_num_batched_tokens=4096) == 4096
     with pytest.raises(ValueError, match="max_num_batched_tokens=0"):
         budget(device="cpu", max_num_batched_tokens=0)
+    llm = LLM(tiny_llama, device="cpu", num_kv_blocks=8)  # offline: fewer, larger steps
+    try:
+        assert llm.config.scheduler_config.max_num_batched_tokens == 2048
+    finally:
+        llm.shutdown()
