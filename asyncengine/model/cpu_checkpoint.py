@@ -130,6 +130,8 @@ class _Plan:
             raise _NotLean("a nested text_config")
         if "transformers_weights" in hf:
             raise _NotLean("a weights file named in config.json")
+        if "quantization_config" in hf:
+            raise _NotLean("a quantized checkpoint")
         if hf.get("hidden_act", "silu") != "silu":
             raise _NotLean(f"hidden_act {hf.get('hidden_act')!r}, not 'silu'")
         plan = cls()
@@ -153,6 +155,7 @@ class _Plan:
         if missing:
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise _NotLean(f"the checkpoint lacks {len(missing)} tensors ({shown})")
+        _check_shapes(mc, plan.files)
         return plan
 
     def expected_names(self, num_layers: int) -> Iterator[str]:
@@ -173,6 +176,33 @@ class _Plan:
                 yield p + f"mlp.{proj}_proj.weight"
                 if self.mlp_bias:
                     yield p + f"mlp.{proj}_proj.bias"
+
+
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def _check_shapes(mc: ModelConfig, files: dict[str, Path]) -> None:
+    """The first layer's projections and the embedding have the shapes and float dtypes that
+    config.json implies (read from the headers): a head_dim or head count that config.json
+    gets wrong, or packed/quantised tensors, are left to transformers."""
+    from safetensors import safe_open
+
+    hidden, d = mc.hidden_size, mc.head_dim
+    attn = "model.layers.0.self_attn."
+    expected = {
+        "model.embed_tokens.weight": [mc.vocab_size, hidden],
+        attn + "q_proj.weight": [mc.num_attention_heads * d, hidden],
+        attn + "k_proj.weight": [mc.num_kv_heads * d, hidden],
+        attn + "v_proj.weight": [mc.num_kv_heads * d, hidden],
+        attn + "o_proj.weight": [hidden, mc.num_attention_heads * d],
+    }
+    for name, shape in expected.items():
+        with safe_open(files[name], framework="pt") as f:  # type: ignore[no-untyped-call]
+            tensor = f.get_slice(name)
+            got, dtype = tensor.get_shape(), tensor.get_dtype()
+        rows_ok = got[0] >= shape[0] if name.startswith("model.embed") else got[0] == shape[0]
+        if len(got) != 2 or not rows_ok or got[1] != shape[1] or dtype not in _FLOAT_DTYPES:
+            raise _NotLean(f"{name} is {dtype} {got}, config.json implies {shape}")
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

@@ -189,6 +189,13 @@ def test_checkpoints_it_does_not_take_load_through_transformers(
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
     assert "up_proj" in (reason(missing) or "")
+    # A config.json whose head size does not fit the tensors, or a quantised checkpoint.
+    wrong = build_tiny_model(tmp_path / "wrong", "llama")
+    _edit_config(wrong, head_dim=8)
+    assert "q_proj" in (reason(wrong) or "")
+    quantised = build_tiny_model(tmp_path / "quantised", "llama")
+    _edit_config(quantised, quantization_config={"quant_method": "fp8"})
+    assert "quantized" in (reason(quantised) or "")
     # Such a model still runs (through transformers' loading).
     llm = LLM(yarn, dtype="float32")
     try:
