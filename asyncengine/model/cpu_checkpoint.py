@@ -66,14 +66,17 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with _open_tensors(plan.files) as read:
         # safetensors' tensors view the file's mapping, which stays mapped (and resident) as
-        # long as any of them lives. Where the projections are packed (copied), the tensors
-        # kept as read are copied too, so that the mapping goes. Where nothing is packed, all
-        # of them stay views of the mapping, at transformers' addresses: fp32 GEMMs (MKL)
-        # give other last bits for weights at other alignments.
-        copy_kept = packs(dtype)
+        # long as any of them lives. In bf16/fp16 every tensor kept is a copy, so that the
+        # mapping goes: the packed projections are copies anyway (`get` reads them), and
+        # without packing (a CPU whose oneDNN lacks the dtype) so is every weight. In fp32
+        # nothing is copied (or joined): the weights stay views of the mapping, at
+        # transformers' addresses, because MKL's fp32 GEMMs give other last bits for weights
+        # at other alignments.
+        copy_kept = dtype != torch.float32
+        copy_all = copy_kept and not packs(dtype)
 
         def get(name: str) -> torch.Tensor:
-            return read(name).to(dtype).contiguous()
+            return read(name).to(dtype, copy=copy_all).contiguous()
 
         def keep(name: str) -> torch.Tensor:
             return read(name).to(dtype, copy=copy_kept).contiguous()

@@ -238,3 +238,21 @@ def test_the_lean_loader_imports_no_transformers_and_unmaps_the_file(
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"tokens": 3, "transformers": [], "lean": True, "file_mapped": False}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_bf16_weights_without_packing_leave_no_file_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU whose oneDNN lacks bf16: the weights are plain (and joined), all of them copies."""
+    import gc
+
+    from asyncengine.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_PACKABLE", ())
+    model_dir = build_tiny_model(tmp_path / "m", "llama", dtype="bfloat16")
+    config = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+    forward = cpu_checkpoint.load_cpu_forward(config)
+    gc.collect()
+    assert all(isinstance(m, cpu_linear.DenseLinear) for m in forward.linear_layers())
+    assert str(model_dir / "model.safetensors") not in Path("/proc/self/maps").read_text()
