@@ -19,12 +19,14 @@ the summation order of the RMSNorms (tests/native/test_cpu_forward.py). The side
 weights are used only for bf16/fp16 and where a probe shows that the joint GEMM gives the
 separate GEMMs' numbers to the bit; otherwise the projections stay apart.
 
-Two calls set it up, around the CPU weight packing (which replaces linear modules):
+Most checkpoints it takes are built straight from their files by `cpu_checkpoint.py`, without
+transformers. A model loaded through transformers takes two calls, around the CPU weight
+packing (which replaces linear modules):
 
-- `join_projections(model)` before it: for a model `supports` accepts, replaces each layer's
-  q/k/v projections by one `qkv_proj` and gate/up by one `gate_up_proj` where the probe agrees.
-  transformers' own forward can no longer run that model.
-- `CpuForward(model)` after it: the forward, holding the final modules.
+- `join_projections(model)` before it: for a model `unsupported_reason` accepts, replaces each
+  layer's q/k/v projections by one `qkv_proj` and gate/up by one `gate_up_proj` where the
+  probe agrees. transformers' own forward can no longer run that model.
+- `CpuForward.from_model(model)` after it: the forward, holding the final modules.
 """
 
 from __future__ import annotations
@@ -177,8 +179,7 @@ class CpuForward:
 # intermediate then stays in the cache between the GEMM that writes it and the kernel that
 # reads it, and the step's peak memory drops by that intermediate (~50 MB for a 2,048-token
 # step of model c). oneDNN gives each row the same bits in a product of any height from 7 rows
-# up (measured on these shapes; one-row products differ), so chunks are never smaller than
-# _MLP_CHUNK_ROWS / 2.
+# up (measured on these shapes; one-row products differ); chunks have 256-511 rows.
 _MLP_CHUNK_ROWS = 256
 
 
