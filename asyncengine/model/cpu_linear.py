@@ -30,7 +30,7 @@ _BATCH_HINT = 64  # the layout oneDNN picks barely depends on it (measured: with
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's blocked layout; same inputs, same outputs."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | DenseLinear) -> None:
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         # An opaque mkldnn tensor: kept as a plain attribute, outside the state dict.
@@ -72,7 +72,7 @@ def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     would pack it, plain otherwise. Gives `F.linear(x, weight, bias)`'s numbers either way."""
     dense = DenseLinear(weight, bias)
     if weight.device.type == "cpu" and packs(weight.dtype):
-        return PackedLinear(dense)  # type: ignore[arg-type]
+        return PackedLinear(dense)
     return dense
 
 

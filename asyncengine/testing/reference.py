@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncengine.sampling_params import SamplingParams
 
 
 def transformers_greedy(
@@ -34,3 +38,30 @@ def transformers_greedy(
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def engine_tokens_and_logprobs(
+    model_dir: str | os.PathLike[str],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    passes: int = 1,
+    **engine_config: object,
+) -> list[tuple[list[int], list[list[float]]]]:
+    """Each completion's tokens and its per-step logprobs (sorted), from a fresh offline
+    engine over `model_dir` that runs `prompts` `passes` times: what tests compare to the bit
+    between two ways of running one checkpoint. `params` must ask for logprobs."""
+    from asyncengine import LLM
+
+    llm = LLM(model_dir, **engine_config)
+    try:
+        results = []
+        for _ in range(passes):
+            for out in llm.generate(prompts, params, use_tqdm=False):
+                completion = out.outputs[0]
+                assert completion.logprobs is not None, "ask for logprobs"
+                lps = [sorted(v.logprob for v in step.values()) for step in completion.logprobs]
+                results.append((list(completion.token_ids), lps))
+        return results
+    finally:
+        llm.shutdown()

@@ -23,6 +23,7 @@ from asyncengine.kernels.cpu_native import load_native
 from asyncengine.model import cpu_checkpoint
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 from asyncengine.testing.models import build_tiny_model
+from asyncengine.testing.reference import engine_tokens_and_logprobs
 
 pytestmark = [
     pytest.mark.skipif(load_native() is None, reason="no working C compiler"),
@@ -113,17 +114,9 @@ def test_rope_types_it_does_not_compute_are_refused() -> None:
 def _run(model_dir: Path, dtype: str) -> list[tuple[list[int], list[list[float]]]]:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[7], list(range(20, 70)), [300, 301, 5, 9]]
-    llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=32, num_kv_blocks=32)
-    try:
-        results = []
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            completion = out.outputs[0]
-            assert completion.logprobs is not None
-            lps = [sorted(v.logprob for v in step.values()) for step in completion.logprobs]
-            results.append((list(completion.token_ids), lps))
-        return results
-    finally:
-        llm.shutdown()
+    return engine_tokens_and_logprobs(
+        model_dir, prompts, params, dtype=dtype, max_num_batched_tokens=32, num_kv_blocks=32
+    )
 
 
 @pytest.mark.parametrize(

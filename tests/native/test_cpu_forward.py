@@ -21,6 +21,7 @@ from asyncengine.kernels.cpu_native import load_native
 from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rotary_cpu
 from asyncengine.model import cpu_checkpoint, cpu_forward
 from asyncengine.testing.models import TINY_ARCHITECTURES
+from asyncengine.testing.reference import engine_tokens_and_logprobs
 
 pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
 
@@ -98,18 +99,10 @@ def _run(model_dir: Path, dtype: str) -> list[tuple[list[int], list[list[float]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     # A small token budget chunks the long prompts and runs decodes next to prefill chunks;
     # the second pass hits the prefix cache.
-    llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=16, num_kv_blocks=32)
-    try:
-        results = []
-        for _ in range(2):
-            for out in llm.generate(_prompts(), params, use_tqdm=False):
-                completion = out.outputs[0]
-                assert completion.logprobs is not None
-                lps = [sorted(v.logprob for v in step.values()) for step in completion.logprobs]
-                results.append((list(completion.token_ids), lps))
-        return results
-    finally:
-        llm.shutdown()
+    return engine_tokens_and_logprobs(
+        model_dir, _prompts(), params, passes=2,
+        dtype=dtype, max_num_batched_tokens=16, num_kv_blocks=32,
+    )  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -262,18 +255,9 @@ def test_long_prefills_run_the_mlp_in_chunks_with_the_same_numbers(
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
 
     def run() -> list[tuple[list[int], list[list[float]]]]:
-        llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=2048)
-        try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            llm.shutdown()
-        results = []
-        for out in outs:
-            c = out.outputs[0]
-            assert c.logprobs is not None
-            lps = [sorted(v.logprob for v in step.values()) for step in c.logprobs]
-            results.append((list(c.token_ids), lps))
-        return results
+        return engine_tokens_and_logprobs(
+            model_dir, prompts, params, dtype="bfloat16", max_num_batched_tokens=2048
+        )
 
     chunked = run()
     monkeypatch.setattr(cpu_checkpoint, "lean_checkpoint_reason", lambda config: "switched off")
