@@ -16,7 +16,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_POLICIES = ("fcfs", "priority")
+_POLICIES = ("fcfs", "priority", "sjf")
 _EXECUTOR_BACKENDS = ("uni", "mp")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
@@ -66,7 +66,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    policy: str  # fcfs | priority
+    policy: str  # fcfs | priority | sjf (sched/request_queue.py)
 
 
 @dataclass(frozen=True, slots=True)

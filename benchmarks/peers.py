@@ -38,7 +38,7 @@ from benchmarks.peer_report import (
     merge_runs,
     ratio_rows,
 )
-from benchmarks.peer_runner import RESULT_PREFIX
+from benchmarks.peer_runner import ASYNCENGINE_SERVING, RESULT_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
@@ -191,13 +191,19 @@ def _run(
     )
 
 
+def _settings(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
 def _report(results: list[PeerResult], args: argparse.Namespace) -> str:
     cpus = os.cpu_count()
     return "\n\n".join(
         [
             f"Workload: 64 requests, prompts of 32-128 random tokens, 64 greedy output tokens "
             f"(EOS ignored), bf16; offline: median of {args.repeats} runs; at 1 stream: 4 "
-            f"requests one after another; {cpus} CPUs; each engine in fresh processes.",
+            f"requests one after another; {cpus} CPUs; each engine in fresh processes; "
+            f"asyncengine's AsyncLLM with {_settings(ASYNCENGINE_SERVING)}, its defaults "
+            "otherwise.",
             markdown_table(FIGURE_HEADER, figure_rows(results)),
             "asyncengine against vLLM's better setting (1t or 2t) for each figure:",
             markdown_table(RATIO_HEADER, ratio_rows(results)),

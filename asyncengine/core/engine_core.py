@@ -69,7 +69,9 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         return outputs

@@ -50,8 +50,10 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                              help="longest prompt + output, in tokens (default: the model's)")),
     ("--no-enable-prefix-caching", dict(dest="enable_prefix_caching", action="store_const",
                                         const=False, help="turn off prefix caching")),
-    ("--scheduling-policy", dict(dest="scheduling_policy", choices=("fcfs", "priority"),
-                                 help="order of the waiting queue (default: fcfs)")),
+    ("--scheduling-policy", dict(dest="scheduling_policy", choices=("fcfs", "priority", "sjf"),
+                                 help="order of the waiting queue: first come first served, "
+                                      "by request priority, or shortest prompt first "
+                                      "(default: fcfs)")),
     ("--seed", dict(dest="seed", type=int, metavar="S",
                     help="random seed of the engine, and of the request in `generate` "
                          "(default: 0)")),

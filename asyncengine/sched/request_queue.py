@@ -1,4 +1,14 @@
-"""Waiting-queue policies: first come first served, or by priority (lower value first)."""
+"""Waiting-queue policies: first come first served, by priority, or shortest prompt first.
+
+- "fcfs": arrival order.
+- "priority": lower `priority` first; ties go to the earlier arrival.
+- "sjf": shortest job (prompt) first, aged by arrival. A request ranks by
+  `arrival_time + num_prompt_tokens * seconds_per_token`, the time its prefill would end had it
+  started on arrival, with `seconds_per_token` measured from the engine's own prefill steps.
+  When many requests wait at once (a burst) the short prompts go first, which minimises the
+  mean time to first token; a request is overtaken only by later arrivals whose prompts are
+  shorter by more than they arrived later (in prefill time), so a long prompt never starves.
+"""
 
 from __future__ import annotations
 
@@ -36,10 +46,13 @@ class RequestQueue(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
-    @staticmethod
     @abstractmethod
-    def pick_victim(running: list[Request]) -> Request:
+    def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when KV blocks run out."""
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """How long the model took for a step of `num_tokens` tokens (most policies ignore it)."""
+        del num_tokens, seconds
 
 
 class FCFSQueue(RequestQueue):
@@ -67,38 +80,38 @@ class FCFSQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
 
-    @staticmethod
-    def pick_victim(running: list[Request]) -> Request:
+    def pick_victim(self, running: list[Request]) -> Request:
         return running[-1]  # the latest admitted
 
 
-class PriorityQueue(RequestQueue):
-    """Lower `priority` runs first; ties go to the earlier arrival."""
+class _RankedQueue(RequestQueue):
+    """A heap on `rank(request)` (smaller first; ties by insertion), with lazy removal."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[tuple[float, ...], int, Request]] = []
         self._counter = itertools.count()
         self._removed: set[int] = set()  # ids of lazily deleted heap entries
 
+    @abstractmethod
+    def rank(self, request: Request) -> tuple[float, ...]: ...
+
     def add(self, request: Request) -> None:
-        heapq.heappush(
-            self._heap, (request.priority, request.arrival_time, next(self._counter), request)
-        )
+        heapq.heappush(self._heap, (self.rank(request), next(self._counter), request))
 
     def add_preempted(self, request: Request) -> None:
-        self.add(request)  # its (priority, arrival) key already ranks it fairly
+        self.add(request)  # its rank comes from its arrival, so it is still ranked fairly
 
     def _prune(self) -> None:
-        while self._heap and id(self._heap[0][3]) in self._removed:
-            self._removed.discard(id(heapq.heappop(self._heap)[3]))
+        while self._heap and id(self._heap[0][2]) in self._removed:
+            self._removed.discard(id(heapq.heappop(self._heap)[2]))
 
     def peek(self) -> Request:
         self._prune()
-        return self._heap[0][3]
+        return self._heap[0][2]
 
     def pop(self) -> Request:
         self._prune()
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[2]
 
     def remove(self, request: Request) -> None:
         self._removed.add(id(request))
@@ -107,14 +120,47 @@ class PriorityQueue(RequestQueue):
         return len(self._heap) - len(self._removed)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap) if id(e[3]) not in self._removed)
+        live = (e for e in self._heap if id(e[2]) not in self._removed)
+        return (e[2] for e in sorted(live, key=lambda e: (e[0], e[1])))
 
-    @staticmethod
-    def pick_victim(running: list[Request]) -> Request:
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(running, key=self.rank)
 
 
-def make_request_queue(policy: str) -> RequestQueue:
+class PriorityQueue(_RankedQueue):
+    """Lower `priority` runs first; ties go to the earlier arrival."""
+
+    def rank(self, request: Request) -> tuple[float, ...]:
+        return (request.priority, request.arrival_time)
+
+
+class ShortestPromptQueue(_RankedQueue):
+    """Shortest prompt first, aged by arrival (see the module docstring).
+
+    `seconds_per_token` starts at `initial_seconds_per_token` and then follows the steps the
+    engine reports through `observe_step`: an exponential average over steps of at least
+    `min_observed_tokens` tokens (smaller steps are mostly decodes, whose cost per token says
+    little about a prefill's). A rank is fixed when the request is queued.
+    """
+
+    def __init__(
+        self, *, min_observed_tokens: int, initial_seconds_per_token: float = 1e-4
+    ) -> None:
+        super().__init__()
+        self.min_observed_tokens = min_observed_tokens
+        self.seconds_per_token = initial_seconds_per_token
+
+    def rank(self, request: Request) -> tuple[float, ...]:
+        return (request.arrival_time + request.num_prompt_tokens * self.seconds_per_token,)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= self.min_observed_tokens and seconds > 0:
+            self.seconds_per_token += 0.25 * (seconds / num_tokens - self.seconds_per_token)
+
+
+def make_request_queue(policy: str, max_num_batched_tokens: int) -> RequestQueue:
     if policy == "priority":
         return PriorityQueue()
+    if policy == "sjf":
+        return ShortestPromptQueue(min_observed_tokens=max(1, max_num_batched_tokens // 4))
     return FCFSQueue()

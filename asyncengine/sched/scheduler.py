@@ -51,7 +51,7 @@ class Scheduler:
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
-        self.waiting = make_request_queue(config.policy)
+        self.waiting = make_request_queue(config.policy, config.max_num_batched_tokens)
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
         self.num_preemptions = 0
@@ -230,6 +230,10 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs)
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """How long the executor took for `scheduler_output` (the "sjf" policy learns from it)."""
+        self.waiting.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

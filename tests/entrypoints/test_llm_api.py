@@ -219,7 +219,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> 
         ({"block_size": 12}, "power of two"),
         ({"max_num_seqs": 0}, "max_num_seqs=0"),
         ({"max_model_len": 10**6}, "max_position_embeddings"),
-        ({"scheduling_policy": "lifo"}, "fcfs, priority"),
+        ({"scheduling_policy": "lifo"}, "fcfs, priority, sjf"),
     ],
 )
 def test_invalid_engine_config_names_the_keyword(
@@ -248,5 +248,24 @@ def test_the_default_token_budget_depends_on_the_device_and_the_api(tiny_llama: 
     llm = LLM(tiny_llama, device="cpu", num_kv_blocks=8)  # offline: fewer, larger steps
     try:
         assert llm.config.scheduler_config.max_num_batched_tokens == 2048
+    finally:
+        llm.shutdown()
+
+
+def test_sjf_policy_serves_the_shortest_waiting_prompt_first(tiny_llama: Path) -> None:
+    # One request at a time, all queued at once: first tokens come in prompt-length order,
+    # and outputs still come back in input order.
+    llm = LLM(
+        tiny_llama, dtype="float32", scheduling_policy="sjf", max_num_seqs=1,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    try:
+        prompts = [list(range(5, 45)), [5, 6, 7], list(range(5, 15))]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs] == prompts
+        assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+        firsts = [o.metrics.first_token_time for o in outs if o.metrics is not None]
+        assert len(firsts) == 3 and firsts[1] < firsts[2] < firsts[0]  # type: ignore[operator]
     finally:
         llm.shutdown()

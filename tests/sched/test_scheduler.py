@@ -61,7 +61,7 @@ def _make(num_blocks: int, budget: int, max_seqs: int, policy: str, prefix: bool
     num_blocks=st.integers(34, 80),
     budget=st.integers(1, 64),
     max_seqs=st.integers(1, 8),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "sjf"]),
     prefix=st.booleans(),
     num_requests=st.integers(1, 12),
 )
@@ -162,3 +162,70 @@ def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
     out = sched.schedule()
     # One decode token for "short", the rest of the budget goes to a chunk of "long".
     assert out.num_scheduled_tokens == {"short": 1, "long": 7}
+
+
+def _sjf(budget: int = 64, max_seqs: int = 1) -> Scheduler:
+    return _make(num_blocks=200, budget=budget, max_seqs=max_seqs, policy="sjf", prefix=False)
+
+
+def _request(rid: str, num_tokens: int, arrival: float) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, list(range(1, num_tokens + 1)), SamplingParams(), arrival)
+
+
+def test_sjf_admits_the_shortest_of_simultaneous_prompts_first() -> None:
+    sched = _sjf()
+    for rid, n in (("long", 40), ("short", 5), ("mid", 20)):
+        sched.add_request(_request(rid, n, arrival=1.0))
+    assert [r.request_id for r in sched.waiting] == ["short", "mid", "long"]
+    assert list(sched.schedule().num_scheduled_tokens) == ["short"]
+
+
+def test_sjf_ages_a_long_prompt_by_its_arrival() -> None:
+    # At 1 ms a token, 35 tokens fewer buy 35 ms: a short prompt arriving 50 ms after a long
+    # one waits behind it, one arriving 20 ms after it goes first.
+    sched = _sjf()
+    queue = sched.waiting
+    queue.seconds_per_token = 1e-3  # type: ignore[attr-defined]
+    sched.add_request(_request("long", 40, arrival=1.0))
+    sched.add_request(_request("short-late", 5, arrival=1.05))
+    sched.add_request(_request("short-soon", 5, arrival=1.02))
+    assert [r.request_id for r in queue] == ["short-soon", "long", "short-late"]
+
+
+def test_sjf_learns_seconds_per_token_from_prefill_steps_only() -> None:
+    sched = _sjf(budget=64)
+    queue = sched.waiting
+    before = queue.seconds_per_token  # type: ignore[attr-defined]
+    sched.add_request(_request("a", 8, arrival=0.0))
+    out = sched.schedule()  # 8 tokens: under a quarter of the budget, says nothing
+    sched.record_step_time(out, 1.0)
+    assert queue.seconds_per_token == before  # type: ignore[attr-defined]
+    sched.add_request(_request("b", 60, arrival=0.0))
+    sched.abort_requests(["a"])
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == 60
+    for _ in range(40):
+        sched.record_step_time(out, 0.6)  # 10 ms a token
+    assert abs(queue.seconds_per_token - 0.01) < 1e-4  # type: ignore[attr-defined]
+
+
+def test_sjf_preempts_the_latest_ranked_and_requeues_it() -> None:
+    # Two running requests outgrow a small cache: the one ranked last (the longer prompt) is
+    # preempted, goes back to the waiting queue, and still finishes.
+    sched = _make(num_blocks=7, budget=64, max_seqs=2, policy="sjf", prefix=False)
+    runner = FakeRunner(random.Random(0))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    sched.add_request(EngineCoreRequest("long", list(range(1, 13)), params, 0.0))
+    sched.add_request(EngineCoreRequest("short", list(range(1, 9)), params, 0.0))
+    finished, preempted = set(), set()
+    for _ in range(100):
+        if not sched.has_requests():
+            break
+        out = sched.schedule()
+        preempted |= {r.request_id for r in sched.waiting if r.num_preemptions}
+        for o in sched.update_from_output(out, runner.execute(out)).outputs:
+            if o.finish_reason is not None:
+                finished.add(o.request_id)
+    assert preempted == {"long"}
+    assert finished == {"long", "short"}
+    assert sched.kv_cache_manager.num_free_blocks == 7
