@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 50  # how often a wait looks at the monitor
 _STARTUP_TIMEOUT_S = 300.0  # loading and sharding a large model takes a while
 _SHUTDOWN_JOIN_S = 5.0
+# A rank whose peer was killed fails its collective at once ("connection closed by peer"),
+# often before the monitor has reaped the dead peer: wait this long for the root cause.
+_DEATH_GRACE_S = 0.25
 
 
 class WorkerError(RuntimeError):
@@ -203,13 +206,27 @@ class MultiprocExecutor(Executor):
                 if kind is ExecuteResult:
                     # The other ranks may be stuck in a collective with the failed one.
                     self._broken = True
-                raise WorkerError(
+                error = WorkerError(
                     f"worker rank {message.rank} failed: {message.error}\n"
                     f"worker traceback:\n{message.traceback}"
                 )
+                death = self._wait_for_death(_DEATH_GRACE_S)
+                if death is not None:
+                    raise WorkerDiedError(death) from error
+                raise error
             if _answers(message, kind, call_id):
                 return message
             logger.debug("dropping a stale %s", type(message).__name__)
+
+    def _wait_for_death(self, grace: float) -> str | None:
+        """The monitor's death report if one comes within `grace` seconds, else None.
+
+        A failure in one rank is often only the echo of a peer's death; the death is what
+        the user needs to read, so it wins when both are known."""
+        deadline = time.monotonic() + grace
+        while self._death is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._death
 
     def _on_worker_death(self, reason: str) -> None:
         self._death = f"worker process failure: {reason}"
