@@ -1,8 +1,10 @@
-"""Build, cache and load the native CPU kernels (`csrc/cpu_kernels.c`), called through ctypes.
+"""Build, cache and load the native CPU kernels (`csrc/*.c`), called through ctypes.
 
-The C file is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
-host CPU (`-march=native -fopenmp`): about a second, with no torch headers. The library is
-cached under `cache_dir()/native/`, named by a hash of the source, the flags, the compiler
+The C files (attention, norms and the other small kernels in `cpu_kernels.c`; decode-sized
+bf16 linear layers in `cpu_linear.c`) are compiled into one library once per machine with the
+system C compiler (`$CC`, else `cc`) for the host CPU (`-march=native -fopenmp`): about a
+second, with no torch headers. The library is
+cached under `cache_dir()/native/`, named by a hash of the sources, the flags, the compiler
 binary and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a
 cache shared between different machines never runs code built for another CPU. A build writes
 a temporary file and renames it, so processes that build at once (tensor-parallel workers) do
@@ -37,7 +39,10 @@ from asyncengine.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"
+# Compiled together into one library; the header is part of the build's hash.
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_linear.c")
+HEADERS = (CSRC / "bf16.h",)
 # -fno-trapping-math lets GCC vectorise the clamped exp() loops (FP exception flags are unused).
 CFLAGS = (
     "-O3",
@@ -70,6 +75,9 @@ class NativeKernels:
     rotary: Callable[..., None]
     silu_mul: Callable[..., None]
     argmax_rows: Callable[..., None]
+    linear_bf16: Callable[..., None]
+    # whether linear_bf16 runs on AVX512-BF16 dot products (else its portable fp32 loops)
+    linear_bf16_fast: bool
 
 
 def compiler() -> str | None:
@@ -165,8 +173,17 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         ctypes.c_int,
         _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int,  # x, row stride, rows, n, out, threads
     ])  # fmt: skip
+    linear_bf16 = _function(lib, "ae_linear_bf16", [
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64,  # packed weight, N, K, packed K
+        _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out, its row stride, threads
+    ])  # fmt: skip
+    fast = lib.ae_linear_bf16_fast
+    fast.restype, fast.argtypes = ctypes.c_int, []
     return NativeKernels(
         path=path,
+        linear_bf16=linear_bf16,
+        linear_bf16_fast=bool(fast()),
         argmax_rows=argmax_rows,
         paged_attention=attention,
         reshape_and_cache=cache,
@@ -178,11 +195,11 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CFLAGS)
     key = hashlib.sha256()
-    for part in (source, " ".join(flags).encode(), _compiler_identity(cc), _cpu_flags()):
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*sources, " ".join(flags).encode(), _compiler_identity(cc), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
     out_dir = cache_dir() / "native"
@@ -194,7 +211,7 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE)],
+            [cc, *flags, "-o", tmp, *(str(path) for path in SOURCES)],
             capture_output=True,
             text=True,
             timeout=120,

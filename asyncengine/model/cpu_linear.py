@@ -10,10 +10,18 @@ AVX512-BF16 cores), with bitwise the same results: the same oneDNN kernel runs e
 reordered weight (the lm_head too; a tied embedding keeps its own plain copy). It checks the
 packed path against `F.linear` once and leaves the model as it is if they differ or oneDNN
 lacks the dtype, so an unusual build of torch only loses the speed-up.
+
+Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows) skip oneDNN: the native kernel
+(`kernels/csrc/cpu_linear.c`) reads the same packed weight with AVX512-BF16 dot products at
+close to the memory bandwidth, where oneDNN's one-row products reach about half of it and pay
+more per call. Its sums run in another order, so those rows may differ from `F.linear` in the
+last bit (rarely: about one value in 50,000 on SmolLM2's shapes). It is used only where it was
+built with AVX512-BF16 and the packed weight is in the layout it reads (checked per layer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 
@@ -21,10 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.kernels.cpu_native import NativeKernels, load_native
+
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.bfloat16, torch.float16)
 _BATCH_HINT = 64  # the layout oneDNN picks barely depends on it (measured: within 5%)
+# Products of up to this many rows run in the native kernel. One-stream decodes gain most
+# (SmolLM2's 30 layers and lm_head, one row: 6.7-6.9 -> 4.3-4.4 ms); at 64 rows it is still
+# ahead of oneDNN on weights that come from memory (24-25 against 26-28 ms); prefill-sized
+# products stay with oneDNN, which wins there once the weights are in cache.
+NATIVE_MAX_ROWS = 64
+_NATIVE_BLOCK = 64  # output columns per block of the packed layout the kernel reads
 
 
 class PackedLinear(nn.Module):
@@ -38,8 +54,14 @@ class PackedLinear(nn.Module):
             linear.weight.detach(), _BATCH_HINT
         )
         self.bias = linear.bias
+        self._native = _native_product(linear.weight, self.bias, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
+        native = self._native
+        if native is not None and x.dtype == torch.bfloat16:
+            rows = x.numel() // self.in_features
+            if 0 < rows <= NATIVE_MAX_ROWS:
+                return native(x.reshape(rows, self.in_features)).view(*x.shape[:-1], -1)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [], ""
         )
@@ -60,6 +82,77 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class _NativeProduct:
+    """x [rows, in] -> x @ weight.T + bias by the native kernel over oneDNN's packed weight."""
+
+    def __init__(self, lib: NativeKernels, packed: torch.Tensor, packed_k: int,
+                 shape: tuple[int, int], bias: torch.Tensor | None) -> None:  # fmt: skip
+        self._lib = lib
+        self._packed = packed  # the kernel reads its memory: keep it alive
+        self._address = torch.ops.mkldnn.data_ptr(packed)
+        self._packed_k = packed_k
+        self._n, self._k = shape
+        self._bias = None if bias is None else bias.detach().contiguous()
+        self._bias_address = None if self._bias is None else self._bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self._n, dtype=torch.bfloat16)
+        self._lib.linear_bf16(
+            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
+            self._packed_k, self._bias_address, out.data_ptr(), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def _native_product(
+    weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+) -> _NativeProduct | None:
+    """The native kernel's product over `packed`, or None where it does not apply: not bf16,
+    not built with AVX512-BF16, or packed in another layout."""
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    lib = load_native()
+    if lib is None or not lib.linear_bf16_fast:
+        return None
+    packed_k = _packed_k(weight, packed)
+    if packed_k is None:
+        logger.info("oneDNN packed a %s weight in a layout the native kernel does not read",
+                    tuple(weight.shape))  # fmt: skip
+        return None
+    n, k = weight.shape
+    return _NativeProduct(lib, packed, packed_k, (n, k), bias)
+
+
+def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The padded input extent of `packed` if it holds `weight` as the native kernel reads it,
+    [ceil(out / 64)][in_padded / 2][64][2]: checked on the sizes and on a sample of values."""
+    n, k = weight.shape
+    blocks = -(-n // _NATIVE_BLOCK)
+    try:
+        nbytes = int(torch.ops.mkldnn._nbytes(packed))
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (RuntimeError, AttributeError):  # a torch without these accessors
+        return None
+    packed_k, rest = divmod(nbytes // 2, blocks * _NATIVE_BLOCK)
+    if nbytes % 2 or rest or packed_k % 2 or packed_k < k:
+        return None
+    raw = (ctypes.c_uint16 * (nbytes // 2)).from_address(address)
+    values = torch.frombuffer(raw, dtype=torch.int16)  # a view of the packed weight, no copy
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, n, (256,), generator=g)
+    cols = torch.randint(0, k, (256,), generator=g)
+    where = (
+        (rows // _NATIVE_BLOCK) * (packed_k * _NATIVE_BLOCK)
+        + (cols // 2) * (2 * _NATIVE_BLOCK)
+        + (rows % _NATIVE_BLOCK) * 2
+        + cols % 2
+    )
+    want = weight.detach()[rows, cols].view(torch.int16)
+    return packed_k if torch.equal(values[where], want) else None
 
 
 def packs(dtype: torch.dtype) -> bool:

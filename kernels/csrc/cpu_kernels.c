@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
 
 /* The small helpers below sit in every inner loop. GCC stops inlining once a unit has grown
@@ -34,20 +36,6 @@ enum { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static ALWAYS_INLINE int64_t elem_size(int dt) { return dt == AE_F32 ? 4 : 2; }
-
-static ALWAYS_INLINE float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
-}
 
 /* n elements of dtype `dt` at `src` (contiguous) -> fp32 */
 static ALWAYS_INLINE void load_f32(const void *src, float *restrict dst, int64_t n, int dt) {

@@ -1,0 +1,161 @@
+/*
+ * Decode-sized bf16 linear layers over oneDNN's prepacked weights: out = x @ W^T (+ bias).
+ *
+ * With one to a few rows (one-stream decodes) a linear layer is a matrix-vector product that
+ * should run at memory speed, each weight byte read once; oneDNN's one-row kernels reach about
+ * half of this machine's bandwidth, and pay more per call. This kernel reads the weight oneDNN
+ * packed (cpu_linear.py checks the layout per layer before it routes a layer here):
+ * [ceil(N / 64)][Kp / 2][64][2], blocks of 64 output columns, each a run of k-pairs, the two k
+ * values of a column's pair adjacent, zero padded to the 64-column block and to Kp (even) in
+ * k. That is the layout AVX512-BF16's dot product wants: one 512-bit load holds 16 columns x 2
+ * k, and `vdpbf16ps` with a row's (x[k], x[k+1]) pair broadcast adds both products into 16
+ * fp32 column sums, with no horizontal sums. Up to 6 rows share each weight load; more rows
+ * take more passes over a block, from L2.
+ *
+ * Arithmetic: products and sums in fp32, each column's sum in k order, the bias added in fp32,
+ * one rounding to bf16 at the store. That is oneDNN's order too; its results differ from these
+ * in about one value in 50,000 (its blocking of long sums). Without AVX512-BF16 the same loops
+ * run on widened values with fp32 FMAs (tests, other CPUs: cpu_linear.py routes layers here
+ * only where the fast path was built).
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bf16.h"
+
+#define BLOCK 64  /* output columns per packed block */
+#define MAX_ROWS 6 /* rows per pass over a block: 6 x 4 fp32 sums fill 24 of the 32 registers */
+/* Software prefetch this far ahead of the loads. Each layer's weight is a fresh stream, and
+ * the hardware prefetcher ramps up at each 4 KB page: measured on SmolLM2's shapes, one-row
+ * products of 30 layers took 4.7 ms without it, 4.3-4.4 ms at 1-8 KB ahead. */
+#define PREFETCH_BYTES 4096
+
+/* res[r][0..63] = sum over k-pairs p < P of the block's 64 columns times row r's pair p, for
+ * R rows. wb: the block's first pair (64 columns x 2 k; the next pair follows at once).
+ * xp: row r's k-pairs at xp + r * ldx, as 32-bit words (bf16 k even low, k odd high). */
+#ifdef __AVX512BF16__
+#define DEFINE_BLOCK(R)                                                                        \
+    static inline void block_##R(const uint16_t *wb, int64_t P, const uint32_t *xp,            \
+                                 int64_t ldx, float *restrict res) {                           \
+        __m512 acc[R][4];                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();                        \
+        for (int64_t p = 0; p < P; p++) {                                                       \
+            const uint16_t *w = wb + p * 2 * BLOCK;                                             \
+            for (int l = 0; l < 4; l++) /* the 4 lines of the pair PREFETCH_BYTES on */        \
+                __builtin_prefetch((const char *)w + PREFETCH_BYTES + 64 * l, 0, 3);            \
+            __m512bh wv[4];                                                                     \
+            for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_loadu_si512(w + 32 * i);       \
+            for (int r = 0; r < R; r++) {                                                       \
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * ldx + p]);          \
+                for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[i], xb); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(res + r * BLOCK + 16 * i, acc[r][i]);  \
+    }
+#else
+/* Portable: each 32-bit word of the weight is one column's (k even, k odd) pair. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+#define DEFINE_BLOCK(R)                                                                        \
+    static inline void block_##R(const uint16_t *wb, int64_t P, const uint32_t *xp,            \
+                                 int64_t ldx, float *restrict res) {                           \
+        v16f acc[R][4];                                                                         \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int i = 0; i < 4; i++) acc[r][i] = (v16f){0};                                  \
+        for (int64_t p = 0; p < P; p++) {                                                       \
+            for (int i = 0; i < 4; i++) {                                                       \
+                v16u32 u;                                                                       \
+                memcpy(&u, wb + p * 2 * BLOCK + 32 * i, sizeof u);                              \
+                const v16u32 lo = u << 16, hi = u & 0xffff0000u;                                \
+                v16f w_even, w_odd;                                                             \
+                memcpy(&w_even, &lo, sizeof w_even);                                            \
+                memcpy(&w_odd, &hi, sizeof w_odd);                                              \
+                for (int r = 0; r < R; r++) {                                                   \
+                    const uint32_t x = xp[r * ldx + p];                                         \
+                    acc[r][i] += w_odd * bf16_to_f32((uint16_t)(x >> 16));                      \
+                    acc[r][i] += w_even * bf16_to_f32((uint16_t)x);                             \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int i = 0; i < 4; i++) memcpy(res + r * BLOCK + 16 * i, &acc[r][i], 64);       \
+    }
+#endif
+
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+DEFINE_BLOCK(3)
+DEFINE_BLOCK(4)
+DEFINE_BLOCK(5)
+DEFINE_BLOCK(6)
+
+/* 1 where the vdpbf16ps path was built (else the portable one runs). */
+int ae_linear_bf16_fast(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
+ * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
+ * the packed k extent (even, >= K); bias: N values or NULL; out: [M][N], row stride o_st.
+ * Work is split over 32-column units, a contiguous range per thread.
+ */
+void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
+                    int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
+    const int64_t P = Kp / 2;
+    /* x as k-pairs, zero padded to Kp: an odd K's last pair must not read past the row */
+    uint32_t *xp = calloc((size_t)(M * P), sizeof(uint32_t));
+    for (int64_t m = 0; m < M; m++) memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    const int threads = blocks < num_threads ? (int)blocks : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        /* fp32 sums of the block's 64 columns for every row. Passes of up to MAX_ROWS rows:
+         * the first reads the block's weights from memory, the later ones from L2. */
+        float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
+        for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
+            const uint16_t *wb = (const uint16_t *)w + b * P * 2 * BLOCK;
+            const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+                const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+                const uint32_t *xr = xp + m0 * P;
+                float *rr = res + m0 * BLOCK;
+                if (rows == 6) block_6(wb, P, xr, P, rr);
+                else if (rows == 5) block_5(wb, P, xr, P, rr);
+                else if (rows == 4) block_4(wb, P, xr, P, rr);
+                else if (rows == 3) block_3(wb, P, xr, P, rr);
+                else if (rows == 2) block_2(wb, P, xr, P, rr);
+                else block_1(wb, P, xr, P, rr);
+            }
+            for (int64_t r = 0; r < M; r++) {
+                uint16_t *o = (uint16_t *)out + r * o_st + n0;
+                for (int64_t c = 0; c < cols; c++) {
+                    float v = res[r * BLOCK + c];
+                    if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n0 + c]);
+                    o[c] = f32_to_bf16(v);
+                }
+            }
+        }
+        free(res);
+    }
+    free(xp);
+}
