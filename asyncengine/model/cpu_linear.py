@@ -12,11 +12,13 @@ packed path against `F.linear` once and leaves the model as it is if they differ
 lacks the dtype, so an unusual build of torch only loses the speed-up.
 
 Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows) skip oneDNN: the native kernel
-(`kernels/csrc/cpu_linear.c`) reads the same packed weight with AVX512-BF16 dot products at
-close to the memory bandwidth, where oneDNN's one-row products reach about half of it and pay
-more per call. Its sums run in another order, so those rows may differ from `F.linear` in the
-last bit (rarely: about one value in 50,000 on SmolLM2's shapes). It is used only where it was
-built with AVX512-BF16 and the packed weight is in the layout it reads (checked per layer).
+(`kernels/csrc/cpu_linear.c`) reads the same packed weight with AVX512-BF16 dot products:
+one-row products at close to the memory bandwidth, where oneDNN's reach about half of it and
+pay more per call; with more rows it computes as fast as oneDNN on cached weights and streams
+the next block of weights in meanwhile, where oneDNN waits for them. Its sums run in another
+order, so those rows may differ from `F.linear` in the last bit (rarely: about one value in
+50,000 on SmolLM2's shapes). It is used only where it was built with AVX512-BF16 and the
+packed weight is in the layout it reads (checked per layer).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.bfloat16, torch.float16)
 _BATCH_HINT = 64  # the layout oneDNN picks barely depends on it (measured: within 5%)
-# Products of up to this many rows run in the native kernel. One-stream decodes gain most
-# (SmolLM2's 30 layers and lm_head, one row: 6.7-6.9 -> 4.3-4.4 ms); at 64 rows it is still
-# ahead of oneDNN on weights that come from memory (24-25 against 26-28 ms); prefill-sized
-# products stay with oneDNN, which wins there once the weights are in cache.
-NATIVE_MAX_ROWS = 64
+# Products of up to this many rows run in the native kernel. Measured on SmolLM2's 30 layers
+# and lm_head, weights cycled (so coming from memory, as in a step), oneDNN against native:
+# 1 row 6.4-7.4 against 4.3-5.9 ms, 64 rows 27-28 against 23-24 ms, 96 rows 36.8 against
+# 34.3, 128 rows 45.4 against 44.5, 256 rows 85 against 87. Longer (prefill) products stay
+# with oneDNN, which is ahead there.
+NATIVE_MAX_ROWS = 128
 _NATIVE_BLOCK = 64  # output columns per block of the packed layout the kernel reads
 
 

@@ -44,14 +44,15 @@
 #ifdef __AVX512BF16__
 #define DEFINE_BLOCK(R)                                                                        \
     static inline void block_##R(const uint16_t *wb, int64_t P, const uint32_t *xp,            \
-                                 int64_t ldx, float *restrict res) {                           \
+                                 int64_t ldx, float *restrict res, const char *pf,             \
+                                 int64_t pf_step, int pf_lines) {                              \
         __m512 acc[R][4];                                                                       \
         for (int r = 0; r < R; r++)                                                             \
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();                        \
         for (int64_t p = 0; p < P; p++) {                                                       \
             const uint16_t *w = wb + p * 2 * BLOCK;                                             \
-            for (int l = 0; l < 4; l++) /* the 4 lines of the pair PREFETCH_BYTES on */        \
-                __builtin_prefetch((const char *)w + PREFETCH_BYTES + 64 * l, 0, 3);            \
+            for (int l = 0; l < pf_lines; l++)                                                  \
+                __builtin_prefetch(pf + p * pf_step + 64 * l, 0, 2);                            \
             __m512bh wv[4];                                                                     \
             for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_loadu_si512(w + 32 * i);       \
             for (int r = 0; r < R; r++) {                                                       \
@@ -68,7 +69,9 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 #define DEFINE_BLOCK(R)                                                                        \
     static inline void block_##R(const uint16_t *wb, int64_t P, const uint32_t *xp,            \
-                                 int64_t ldx, float *restrict res) {                           \
+                                 int64_t ldx, float *restrict res, const char *pf,             \
+                                 int64_t pf_step, int pf_lines) {                              \
+        (void)pf, (void)pf_step, (void)pf_lines;                                                \
         v16f acc[R][4];                                                                         \
         for (int r = 0; r < R; r++)                                                             \
             for (int i = 0; i < 4; i++) acc[r][i] = (v16f){0};                                  \
@@ -139,12 +142,24 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
                 const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
                 const uint32_t *xr = xp + m0 * P;
                 float *rr = res + m0 * BLOCK;
-                if (rows == 6) block_6(wb, P, xr, P, rr);
-                else if (rows == 5) block_5(wb, P, xr, P, rr);
-                else if (rows == 4) block_4(wb, P, xr, P, rr);
-                else if (rows == 3) block_3(wb, P, xr, P, rr);
-                else if (rows == 2) block_2(wb, P, xr, P, rr);
-                else block_1(wb, P, xr, P, rr);
+                /* Prefetch: the first pass streams the block from memory, its 4 lines per pair
+                 * PREFETCH_BYTES ahead; each later pass (the block now in L2) requests one
+                 * line of the next block per pair, so that block comes in while this one is
+                 * computed instead of at the next block's first pass. */
+                const char *pf = (const char *)wb + PREFETCH_BYTES;
+                int64_t step = 2 * BLOCK * 2;
+                int lines = 4;
+                if (m0 > 0) {
+                    pf = (const char *)(wb + P * 2 * BLOCK) + (m0 / MAX_ROWS - 1) * P * 64;
+                    step = 64;
+                    lines = (m0 / MAX_ROWS - 1) * P * 64 < P * 2 * BLOCK * 2 ? 1 : 0;
+                }
+                if (rows == 6) block_6(wb, P, xr, P, rr, pf, step, lines);
+                else if (rows == 5) block_5(wb, P, xr, P, rr, pf, step, lines);
+                else if (rows == 4) block_4(wb, P, xr, P, rr, pf, step, lines);
+                else if (rows == 3) block_3(wb, P, xr, P, rr, pf, step, lines);
+                else if (rows == 2) block_2(wb, P, xr, P, rr, pf, step, lines);
+                else block_1(wb, P, xr, P, rr, pf, step, lines);
             }
             for (int64_t r = 0; r < M; r++) {
                 uint16_t *o = (uint16_t *)out + r * o_st + n0;
