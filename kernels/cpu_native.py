@@ -3,10 +3,10 @@
 The C files (attention, norms and the other small kernels in `cpu_kernels.c`; decode-sized
 bf16 linear layers in `cpu_linear.c`) are compiled into one library once per machine with the
 system C compiler (`$CC`, else `cc`) for the host CPU (`-march=native -fopenmp`): about a
-second, with no torch headers. The library is
-cached under `cache_dir()/native/`, named by a hash of the sources, the flags, the compiler
-binary and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a
-cache shared between different machines never runs code built for another CPU. A build writes
+second, with no torch headers. The library is cached under `cache_dir()/native/`, named by a
+hash of the sources, the flags, the compiler binary and the CPU's feature flags, so a new
+source, compiler or CPU builds a new one and a cache shared between different machines never
+runs code built for another CPU. A build writes
 a temporary file and renames it, so processes that build at once (tensor-parallel workers) do
 not see a half-written library.
 

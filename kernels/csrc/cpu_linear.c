@@ -115,7 +115,7 @@ int ae_linear_bf16_fast(void) {
  * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
  * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
  * the packed k extent (even, >= K); bias: N values or NULL; out: [M][N], row stride o_st.
- * Work is split over 32-column units, a contiguous range per thread.
+ * Work is split over the 64-column blocks, a contiguous range of them per thread.
  */
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
@@ -135,31 +135,35 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
         /* fp32 sums of the block's 64 columns for every row. Passes of up to MAX_ROWS rows:
          * the first reads the block's weights from memory, the later ones from L2. */
         float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
+        const int64_t pair_bytes = 2 * BLOCK * 2, block_bytes = P * pair_bytes;
         for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-            const uint16_t *wb = (const uint16_t *)w + b * P * 2 * BLOCK;
+            const char *wb = (const char *)w + b * block_bytes;
             const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
             for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
                 const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
                 const uint32_t *xr = xp + m0 * P;
                 float *rr = res + m0 * BLOCK;
-                /* Prefetch: the first pass streams the block from memory, its 4 lines per pair
-                 * PREFETCH_BYTES ahead; each later pass (the block now in L2) requests one
-                 * line of the next block per pair, so that block comes in while this one is
-                 * computed instead of at the next block's first pass. */
-                const char *pf = (const char *)wb + PREFETCH_BYTES;
-                int64_t step = 2 * BLOCK * 2;
+                /* Prefetch: the first pass streams the block from memory, a pair's 4 lines
+                 * PREFETCH_BYTES ahead of each pair; each later pass (the block now in L2)
+                 * requests one line of the next block per pair, the lines after those the
+                 * pass before requested, so that block comes in while this one is computed
+                 * instead of at the next block's first pass. */
+                const char *pf = wb + PREFETCH_BYTES;
+                int64_t step = pair_bytes;
                 int lines = 4;
                 if (m0 > 0) {
-                    pf = (const char *)(wb + P * 2 * BLOCK) + (m0 / MAX_ROWS - 1) * P * 64;
+                    const int64_t done = (m0 / MAX_ROWS - 1) * P * 64; /* bytes requested */
+                    pf = wb + block_bytes + done;
                     step = 64;
-                    lines = (m0 / MAX_ROWS - 1) * P * 64 < P * 2 * BLOCK * 2 ? 1 : 0;
+                    lines = done < block_bytes ? 1 : 0;
                 }
-                if (rows == 6) block_6(wb, P, xr, P, rr, pf, step, lines);
-                else if (rows == 5) block_5(wb, P, xr, P, rr, pf, step, lines);
-                else if (rows == 4) block_4(wb, P, xr, P, rr, pf, step, lines);
-                else if (rows == 3) block_3(wb, P, xr, P, rr, pf, step, lines);
-                else if (rows == 2) block_2(wb, P, xr, P, rr, pf, step, lines);
-                else block_1(wb, P, xr, P, rr, pf, step, lines);
+                const uint16_t *wv = (const uint16_t *)wb;
+                if (rows == 6) block_6(wv, P, xr, P, rr, pf, step, lines);
+                else if (rows == 5) block_5(wv, P, xr, P, rr, pf, step, lines);
+                else if (rows == 4) block_4(wv, P, xr, P, rr, pf, step, lines);
+                else if (rows == 3) block_3(wv, P, xr, P, rr, pf, step, lines);
+                else if (rows == 2) block_2(wv, P, xr, P, rr, pf, step, lines);
+                else block_1(wv, P, xr, P, rr, pf, step, lines);
             }
             for (int64_t r = 0; r < M; r++) {
                 uint16_t *o = (uint16_t *)out + r * o_st + n0;
