@@ -263,7 +263,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                        const char *k_head, const char *v_head, const int32_t *blocks, int dt,
                        float *restrict kt, int64_t ldk, float *restrict vb,
                        float *restrict scores, int64_t ld_scores, float *restrict acc,
-                       const struct next_item *next) {
+                       const struct next_item *next, int in_l2) {
     const int64_t es = elem_size(dt);
     const int64_t block_bytes = bs * D * es;
     const int64_t nblk = (len_max + bs - 1) / bs;
@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const char *kblock = k_head + (int64_t)blocks[b] * block_bytes;
         if (b + 1 < nblk) prefetch_bytes(k_head + (int64_t)blocks[b + 1] * block_bytes, block_bytes);
         prefetch_bytes(v_head + (int64_t)blocks[b] * block_bytes, n * D * es);
-        if (b + 2 < nblk) { /* and the blocks after, into L2 only: more misses in flight */
+        if (!in_l2 && b + 2 < nblk) { /* and the blocks after, into L2 only: more misses in flight */
             prefetch_bytes_l2(k_head + (int64_t)blocks[b + 2] * block_bytes, block_bytes);
             prefetch_bytes_l2(v_head + (int64_t)blocks[b + 2] * block_bytes, block_bytes);
         }
@@ -299,8 +299,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (R - r == 1) scores_1(q + r * D, D, kcols, rb, dt, m, out + r * ld_scores, ld_scores);
         }
     }
-    /* a next item longer than this one: two more of its blocks (its own pass prefetches on) */
-    for (int64_t b = nblk; b < next->nblk && b < nblk + 2; b++) prefetch_item_block(next, b, block_bytes);
+    /* a next item longer than this one: the rest of its blocks */
+    for (int64_t b = nblk; b < next->nblk; b++) prefetch_item_block(next, b, block_bytes);
     /* 2. softmax over each row's visible scores, in place; zero past them (up to len_max), so
      * the values pass can run every row over len_max keys */
     for (int64_t r = 0; r < R; r++) {
@@ -418,6 +418,7 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
             const int64_t tile = it / num_kv_heads, h = it % num_kv_heads;
             if (tile < first_tile[s]) s = 0;
             while (first_tile[s + 1] <= tile) s++;
+            const int in_l2 = it >= nthr; /* the previous item fetched this one's blocks */
             struct next_item next = {0};
             if (it + nthr < items) { /* this thread's next item (the schedule is static) */
                 const int64_t next_tile = (it + nthr) / num_kv_heads, nh = (it + nthr) % num_kv_heads;
@@ -448,13 +449,13 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
             /* a constant dtype per call site, so its tests leave the inner loops */
             if (dt == AE_BF16)
                 attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_BF16, kt,
-                            ldk, vb, scores, ld_scores, acc, &next);
+                            ldk, vb, scores, ld_scores, acc, &next, in_l2);
             else if (dt == AE_F32)
                 attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_F32, kt,
-                            ldk, vb, scores, ld_scores, acc, &next);
+                            ldk, vb, scores, ld_scores, acc, &next, in_l2);
             else
                 attend_tile(q, R, G, D, bs, row_len, len_max, k_head, v_head, blocks, AE_F16, kt,
-                            ldk, vb, scores, ld_scores, acc, &next);
+                            ldk, vb, scores, ld_scores, acc, &next, in_l2);
             for (int64_t t = 0; t < nt; t++) {
                 const int64_t row = q_start[s] + t0 + t;
                 for (int64_t g = 0; g < G; g++) {
