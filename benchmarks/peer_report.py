@@ -176,6 +176,33 @@ def merge_runs(engine: str, model: str, runs: Sequence[dict[str, Any]]) -> PeerR
     return PeerResult(engine=engine, model=model, data=data)
 
 
+def merge_rounds(rounds: Sequence[PeerResult]) -> PeerResult:
+    """One result from the same engine and model measured in several rounds: each figure the
+    median of the rounds' (timed offline runs and memory samples pooled; other values from
+    the first round), so a minute when the machine was slower moves no engine's figures
+    alone."""
+    if not rounds:
+        raise ValueError("merge_rounds needs at least one round")
+    return PeerResult(
+        engine=rounds[0].engine,
+        model=rounds[0].model,
+        data=_median_of([r.data for r in rounds]),
+    )
+
+
+def _median_of(values: Sequence[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, bool) or not isinstance(first, (int, float, dict, list)):
+        return first
+    if isinstance(first, (int, float)):
+        numbers = [float(v) for v in values if isinstance(v, (int, float))]
+        return median(numbers) if len(numbers) == len(values) else first
+    if isinstance(first, list):
+        return [item for v in values if isinstance(v, list) for item in v]
+    keys = [k for k in first if all(isinstance(v, dict) and k in v for v in values)]
+    return {k: _median_of([v[k] for v in values]) for k in keys}
+
+
 def _models(results: Sequence[PeerResult]) -> list[str]:
     seen: list[str] = []
     for r in results:

@@ -1,7 +1,7 @@
 """asyncengine against vLLM (CPU build) and transformers, side by side in one run.
 
     python benchmarks/peers.py [--model a|b|c ...] [--engines asyncengine,vllm-1t,...]
-        [--python ENGINE=PATH ...] [--repeats 3] [--json out.json]
+        [--python ENGINE=PATH ...] [--repeats 3] [--rounds 1] [--json out.json]
         [--plot-dir docs/img] [--update-doc docs/performance.md]
 
 `nox -s bench_peers` builds one virtualenv per peer and runs this with their interpreters.
@@ -35,6 +35,7 @@ from benchmarks.peer_report import (
     PeerResult,
     figure_rows,
     markdown_table,
+    merge_rounds,
     merge_runs,
     ratio_rows,
 )
@@ -65,20 +66,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipping model {name}: {exc}", file=sys.stderr)
             continue
         label = f"{name}: {describe(name)}"
-        for engine in engines:
-            runs = []
-            for mode in ("offline", "async"):
-                if engine == "transformers" and mode == "async":
-                    continue  # no async engine; its one-stream latency comes with offline
-                print(f"[{label}] {engine} {mode} ...", file=sys.stderr, flush=True)
-                record = _run(engine, mode, folder, pythons[engine], args)
-                if "error" in record:
-                    failures.append(f"{engine} {mode} on {name}: {record['error']}")
-                    print(f"  FAILED: {record['error']}", file=sys.stderr)
-                    continue
-                runs.append(record)
-            if runs:
-                results.append(merge_runs(engine, label, runs))
+        rounds: dict[str, list[PeerResult]] = {}
+        for number in range(args.rounds):
+            for engine in round_order(engines, number):
+                runs = []
+                for mode in ("offline", "async"):
+                    if engine == "transformers" and mode == "async":
+                        continue  # no async engine; its one-stream latency comes with offline
+                    print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {mode} ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    record = _run(engine, mode, folder, pythons[engine], args)
+                    if "error" in record:
+                        failures.append(f"{engine} {mode} on {name}: {record['error']}")
+                        print(f"  FAILED: {record['error']}", file=sys.stderr)
+                        continue
+                    runs.append(record)
+                if runs:
+                    rounds.setdefault(engine, []).append(merge_runs(engine, label, runs))
+        results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
 
     report = _report(results, args)
     print(report)
@@ -98,6 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
+def round_order(engines: Sequence[str], number: int) -> list[str]:
+    """The engines in round `number`: as given, then reversed, and so on, so that over two
+    rounds every engine runs as often early as late in the machine's drifting minutes."""
+    return list(engines) if number % 2 == 0 else list(reversed(engines))
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--model", action="append", choices=MODEL_NAMES)
@@ -110,6 +121,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the interpreter (virtualenv) of a peer; vllm applies to both vLLM settings",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed offline runs")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every engine this many times per model, in alternating order; each figure "
+        "is the median of the rounds",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--plot-dir", help="write one PNG per model here")
@@ -191,6 +209,16 @@ def _run(
     )
 
 
+def _rounds(args: argparse.Namespace) -> str:
+    rounds = getattr(args, "rounds", 1)
+    if rounds <= 1:
+        return ""
+    return (
+        f"; every engine measured in {rounds} rounds, in alternating order, each figure the "
+        "median of the rounds"
+    )
+
+
 def _settings(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
@@ -200,7 +228,8 @@ def _report(results: list[PeerResult], args: argparse.Namespace) -> str:
     return "\n\n".join(
         [
             f"Workload: 64 requests, prompts of 32-128 random tokens, 64 greedy output tokens "
-            f"(EOS ignored), bf16; offline: median of {args.repeats} runs; at 1 stream: 4 "
+            f"(EOS ignored), bf16; offline: median of {args.repeats} runs{_rounds(args)}; "
+            "at 1 stream: 4 "
             f"requests one after another; {cpus} CPUs; each engine in fresh processes; "
             f"asyncengine's AsyncLLM with {_settings(ASYNCENGINE_SERVING)}, its defaults "
             "otherwise.",
@@ -250,6 +279,9 @@ def _plot(results: list[PeerResult], folder: Path) -> list[Path]:
 def _update_doc(doc: Path, report: str, args: argparse.Namespace) -> None:
     """Replace what lies between the peers markers (the command, the tables, the plots)."""
     models = " ".join(f"--model {m}" for m in (args.model or ["a"]))
+    rounds = getattr(args, "rounds", 1)
+    if rounds > 1:
+        models += f" --rounds {rounds}"
     images = ""
     if args.plot_dir:
         rel = os.path.relpath(args.plot_dir, doc.parent)

@@ -16,10 +16,12 @@ from benchmarks.peer_report import (
     best_vllm,
     figure_rows,
     markdown_table,
+    merge_rounds,
     merge_runs,
     ratio_rows,
 )
 from benchmarks.peer_runner import _stream_stats
+from benchmarks.peers import round_order
 
 
 def _stream(tok_s: float, ttft: float, itl: float) -> dict[str, object]:
@@ -113,3 +115,39 @@ def test_stream_stats_percentiles() -> None:
     assert stats["ttft_ms"]["p50"] == pytest.approx(20.0)
     assert stats["itl_ms"]["p50"] == pytest.approx(4.0)
     assert stats["itl_ms"]["p99"] == pytest.approx(5.96)
+
+
+def test_rounds_merge_to_the_median_of_each_figure() -> None:
+    def one(ready: float, seconds: list[float], tok_s: float, ttft: float, rss: float) -> object:
+        return merge_runs(
+            "vllm-2t",
+            "c",
+            [
+                {"ready_s": ready, "offline_seconds": seconds, "num_output_tokens": 4096,
+                 "rss_tree_mb": rss, "threads_env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}},
+                {"64": _stream(tok_s, ttft, 40.0), "rss_tree_mb": rss + 10},
+            ],
+        )  # fmt: skip
+
+    merged = merge_rounds(
+        [one(10.0, [4.0, 4.2, 4.4], 900, 1400, 3600), one(12.0, [4.1, 4.3, 4.5], 1000, 1200, 3700),
+         one(11.0, [4.6, 4.7, 4.8], 800, 1500, 3650)]
+    )  # fmt: skip
+    assert (merged.engine, merged.model) == ("vllm-2t", "c")
+    assert merged.ready_s == 11.0
+    assert merged.offline_tok_s == pytest.approx(4096 / 4.4)  # the median of all nine runs
+    assert merged.async_tok_s(64) == 900
+    assert merged.latency_ms(64, "ttft_ms") == 1400
+    assert merged.latency_ms(64, "ttft_ms", "p99") == 2800
+    assert merged.rss_mb == 3710  # the largest sample of any round
+    assert merged.data["threads_env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert merge_rounds([merged]).data == merged.data
+    with pytest.raises(ValueError, match="at least one round"):
+        merge_rounds([])
+
+
+def test_rounds_alternate_the_engine_order() -> None:
+    engines = ["asyncengine", "vllm-1t", "vllm-2t", "transformers"]
+    assert round_order(engines, 0) == engines
+    assert round_order(engines, 1) == engines[::-1]
+    assert round_order(engines, 2) == engines
