@@ -93,10 +93,10 @@ def _stream_stats(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 
 
 def _import_torch() -> None:
-    """Import torch before a ready clock starts, as every peer's runner does: `import vllm`
-    and the transformers runner import it before their constructors, while asyncengine imports
-    it lazily inside its own, so without this only asyncengine's time to ready would carry
-    torch's import (~0.8 s here)."""
+    """Import torch before the offline ready clock starts, as every peer's runner does: `import
+    vllm` and the transformers runner import it before their constructors, while asyncengine's
+    LLM imports it lazily inside its own, so without this only asyncengine's time to ready would
+    carry torch's import (~0.8 s here)."""
     import torch  # noqa: F401
 
 
@@ -130,7 +130,9 @@ def _asyncengine_async(folder: Path, wl: Workload, concurrencies: list[int]) -> 
 
     from asyncengine import AsyncLLM, RequestOutputKind, SamplingParams
 
-    _import_torch()
+    # No _import_torch() here: AsyncLLM's own process never imports torch (its engine-core
+    # process does, inside the constructor, as vLLM's does), and importing it here would add
+    # ~200 MB to the tree's resident memory. Time to ready is reported from offline runs.
     params = SamplingParams(
         temperature=0,
         max_tokens=wl.output_len,
