@@ -82,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         continue
                     runs.append(record)
                 if runs:
-                    rounds.setdefault(engine, []).append(merge_runs(engine, label, runs))
+                    result = merge_runs(engine, label, runs)
+                    rounds.setdefault(engine, []).append(result)
+                    print(f"  {_round_summary(result)}", file=sys.stderr, flush=True)
         results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
 
     report = _report(results, args)
@@ -101,6 +103,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.update_doc:
         _update_doc(Path(args.update_doc), report, args)
     return 1 if failures else 0
+
+
+def _round_summary(result: PeerResult) -> str:
+    """One round's headline figures, for the log: how far the rounds disagree."""
+
+    def num(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    return (
+        f"offline {num(result.offline_tok_s)} tok/s, 64 streams {num(result.async_tok_s(64))} "
+        f"tok/s, TTFT p50 at 64 {num(result.latency_ms(64, 'ttft_ms'))} ms"
+    )
 
 
 def round_order(engines: Sequence[str], number: int) -> list[str]:
