@@ -412,7 +412,7 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
         /* Items go round-robin (static, 1) rather than first come first served, so a thread
          * knows its next item and can have that item's blocks fetched while it works on this
          * one: each item otherwise starts with a stall on its first, scattered, blocks
-         * (decode attention with a cold cache, model c's and SmolLM2's heads: 13-30% faster) */
+         * (decode attention with a cold cache, model c's and SmolLM2's heads: 10-31% faster) */
 #pragma omp for schedule(static, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t tile = it / num_kv_heads, h = it % num_kv_heads;
