@@ -255,7 +255,9 @@ static ALWAYS_INLINE void prefetch_item_block(const struct next_item *next, int6
  * key and value blocks two ahead into L2: blocks are scattered over the cache, so the hardware
  * prefetcher would stall at the start of each. (The L2 requests: 7-15% faster decode
  * attention with a cold cache, SmolLM2's and model c's shapes; deeper L1 requests were slower.)
- * Block b's turn also sends the next item's block b (`next`) to L2, and two more after the last.
+ * Block b's turn also sends the next item's block b (`next`) to L2, and the rest of a longer
+ * next item's blocks follow the last; an item whose blocks came that way (`in_l2`) skips its
+ * own two-ahead L2 requests.
  */
 static inline __attribute__((always_inline)) void attend_tile(
                        const float *restrict q, int64_t R, int64_t G, int64_t D, int64_t bs,
@@ -427,7 +429,11 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
                 next.k_head = k_base + nh * head_bytes;
                 next.v_head = v_base + nh * head_bytes;
                 next.blocks = block_table + ns * bt_stride;
-                next.nblk = (seq_lens[ns] + bs - 1) / bs;
+                /* the blocks that tile sees: up to its last query token (causal) */
+                const int64_t next_t0 = (next_tile - first_tile[ns]) * TQ;
+                const int64_t next_nt = q_lens[ns] - next_t0 < TQ ? q_lens[ns] - next_t0 : TQ;
+                const int64_t next_len = seq_lens[ns] - q_lens[ns] + next_t0 + next_nt;
+                next.nblk = (next_len + bs - 1) / bs;
             }
             const int64_t t0 = (tile - first_tile[s]) * TQ; /* the tile's first query token */
             const int64_t nt = q_lens[s] - t0 < TQ ? q_lens[s] - t0 : TQ;
