@@ -228,8 +228,8 @@ def _rounds(args: argparse.Namespace) -> str:
     if rounds <= 1:
         return ""
     return (
-        f"; every engine measured in {rounds} rounds, in alternating order, each figure the "
-        "median of the rounds"
+        f" per round; every engine measured in {rounds} rounds, in alternating order, each "
+        "figure the median of the rounds (offline: of all the rounds' timed runs)"
     )
 
 
@@ -242,9 +242,8 @@ def _report(results: list[PeerResult], args: argparse.Namespace) -> str:
     return "\n\n".join(
         [
             f"Workload: 64 requests, prompts of 32-128 random tokens, 64 greedy output tokens "
-            f"(EOS ignored), bf16; offline: median of {args.repeats} runs{_rounds(args)}; "
-            "at 1 stream: 4 "
-            f"requests one after another; {cpus} CPUs; each engine in fresh processes; "
+            f"(EOS ignored), bf16; offline: median of {args.repeats} runs{_rounds(args)}; at "
+            f"1 stream: 4 requests one after another; {cpus} CPUs; each engine in fresh processes; "
             f"asyncengine's AsyncLLM with {_settings(ASYNCENGINE_SERVING)}, its defaults "
             "otherwise.",
             markdown_table(FIGURE_HEADER, figure_rows(results)),
