@@ -52,6 +52,8 @@ DOC_END = "<!-- peers:end -->"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: expected 1 or more")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
