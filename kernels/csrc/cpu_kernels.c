@@ -582,6 +582,30 @@ void ae_reshape_and_cache(int dt, const void *key, int64_t k_st, int64_t k_sh,
     }
 }
 
+/* v rounded to bf16 (to nearest even; a NaN stays a quiet NaN), as 16 bf16 bit patterns:
+ * f32_to_bf16, 16 lanes at once. */
+static ALWAYS_INLINE v16u32 round16_bf16_bits(v16f v) {
+    v16u32 u;
+    memcpy(&u, &v, sizeof u);
+    const v16u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16u32 quiet = (u >> 16) | 0x40u;
+    const v16u32 nan = (v16u32)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    return (quiet & nan) | (rounded & ~nan);
+}
+
+/* v rounded to bf16 and widened back to fp32: bf16_to_f32(f32_to_bf16(v)), 16 lanes. */
+static ALWAYS_INLINE v16f round16_bf16(v16f v) {
+    const v16u32 u = round16_bf16_bits(v) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static ALWAYS_INLINE void store16_bf16(uint16_t *p, v16f v) {
+    const v16u16 h = __builtin_convertvector(round16_bf16_bits(v), v16u16);
+    memcpy(p, &h, sizeof h);
+}
+
 /* Round n values to dtype `dt` and back, in place: what torch does between two half-precision
  * ops. (The dtype test sits outside the loops, so that they vectorise.) */
 static ALWAYS_INLINE void round_row(float *restrict x, int64_t n, int dt) {
@@ -594,19 +618,50 @@ static ALWAYS_INLINE void round_row(float *restrict x, int64_t n, int dt) {
 
 /* RMSNorm of one row of n fp32 values in place, as transformers' LlamaRMSNorm computes it:
  * the mean square in fp32, the normalised row rounded to the dtype, then times the weight
- * (w: the dtype's values widened), rounded again (by the caller's store). Never inlined: every
- * kernel that normalises then runs the same machine code, so the same summation order (the
- * compiler may vectorise a reduction differently in each place it is inlined), and the lean
- * forward's fp32 numbers equal those of the model with only its norms swapped. */
-static __attribute__((noinline)) void rms_norm_row(float *restrict buf, const float *restrict w, int64_t n,
-                                float eps, int dt) {
+ * (w: the dtype's values widened), rounded again (by the caller's store). The sum of squares
+ * is never inlined: every kernel that normalises then runs the same machine code for it, so
+ * the same summation order (the compiler may vectorise a reduction differently in each place
+ * it is inlined), and the lean forward's fp32 numbers equal those of the model with only its
+ * norms swapped. */
+static __attribute__((noinline)) float sum_squares(const float *restrict buf, int64_t n) {
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = 0; i < n; i++) sq += buf[i] * buf[i];
-    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    return sq;
+}
+
+static __attribute__((noinline)) void rms_norm_row(float *restrict buf, const float *restrict w, int64_t n,
+                                float eps, int dt) {
+    const float inv = 1.0f / sqrtf(sum_squares(buf, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) buf[i] *= inv;
     round_row(buf, n, dt);
     for (int64_t i = 0; i < n; i++) buf[i] *= w[i];
+}
+
+/* The bf16 rows of the two norms below, n a multiple of 16, in registers: rms_norm_row's
+ * arithmetic and roundings, with the sum of squares from sum_squares over buf (the row as
+ * widened bf16), but two passes over the row instead of about ten over buffers: 2-3x faster. */
+static ALWAYS_INLINE void normalize_row_bf16(const float *restrict buf, const float *restrict w,
+                                             uint16_t *out, int64_t n, float eps) {
+    const float inv = 1.0f / sqrtf(sum_squares(buf, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i += LANES)
+        store16_bf16(out + i, round16_bf16(load16(buf + i) * inv) * load16(w + i));
+}
+
+/* residual += x (rounded), buf = the sum widened, then out = RMSNorm(buf) */
+static ALWAYS_INLINE void add_rms_norm_row_bf16(const uint16_t *x, uint16_t *res, uint16_t *out,
+                                                const float *restrict w, float *restrict buf,
+                                                int64_t n, float eps) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const v16f sum = load16_as_f32((const char *)(res + i), AE_BF16) +
+                         load16_as_f32((const char *)(x + i), AE_BF16);
+        const v16u32 bits = round16_bf16_bits(sum);
+        const v16u16 h = __builtin_convertvector(bits, v16u16);
+        memcpy(res + i, &h, sizeof h);
+        const v16u32 wide = bits << 16;
+        memcpy(buf + i, &wide, sizeof wide);
+    }
+    normalize_row_bf16(buf, w, out, n, eps);
 }
 
 /*
@@ -624,6 +679,10 @@ void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_f32((const char *)x + r * x_st * es, buf, n, dt);
+            if (dt == AE_BF16 && n % LANES == 0) {
+                normalize_row_bf16(buf, w, (uint16_t *)out + r * o_st, n, eps);
+                continue;
+            }
             rms_norm_row(buf, w, n, eps, dt);
             store_f32((char *)out + r * o_st * es, buf, n, dt);
         }
@@ -650,6 +709,11 @@ void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             char *res = (char *)residual + r * r_st * es;
+            if (dt == AE_BF16 && n % LANES == 0) {
+                add_rms_norm_row_bf16((const uint16_t *)x + r * x_st, (uint16_t *)res,
+                                      (uint16_t *)out + r * o_st, w, buf, n, eps);
+                continue;
+            }
             load_f32(res, buf, n, dt);
             load_f32((const char *)x + r * x_st * es, other, n, dt);
             for (int64_t i = 0; i < n; i++) buf[i] += other[i];
@@ -678,30 +742,6 @@ static inline void rotate_head(float *restrict x, const float *restrict c,
     round_row(a, D, dt);
     round_row(b, D, dt);
     for (int64_t i = 0; i < D; i++) x[i] = a[i] + b[i];
-}
-
-/* v rounded to bf16 (to nearest even; a NaN stays a quiet NaN), as 16 bf16 bit patterns:
- * f32_to_bf16, 16 lanes at once. */
-static ALWAYS_INLINE v16u32 round16_bf16_bits(v16f v) {
-    v16u32 u;
-    memcpy(&u, &v, sizeof u);
-    const v16u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v16u32 quiet = (u >> 16) | 0x40u;
-    const v16u32 nan = (v16u32)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
-    return (quiet & nan) | (rounded & ~nan);
-}
-
-/* v rounded to bf16 and widened back to fp32: bf16_to_f32(f32_to_bf16(v)), 16 lanes. */
-static ALWAYS_INLINE v16f round16_bf16(v16f v) {
-    const v16u32 u = round16_bf16_bits(v) << 16;
-    v16f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static ALWAYS_INLINE void store16_bf16(uint16_t *p, v16f v) {
-    const v16u16 h = __builtin_convertvector(round16_bf16_bits(v), v16u16);
-    memcpy(p, &h, sizeof h);
 }
 
 /* rotate_head for one bf16 head in place, D a multiple of 32, all in registers: the same
