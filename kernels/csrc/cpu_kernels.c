@@ -543,6 +543,23 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
 /* Store one token's K and V head (D contiguous values each) at `slot` of a layer's cache (key
  * and value halves at k_base / v_base, head_elems elements per head): the value row as it is,
  * the key transposed within its block. A negative slot is skipped (padding). */
+/* Ask for the cache lines that store_kv_slot will write for `slot`, every KV head, with intent
+ * to write. A step's slots are scattered over the cache, which streams through the caches
+ * between one step's write and the next, so each write would otherwise wait on memory. */
+static inline void prefetch_kv_slot(const char *k_base, const char *v_base, int64_t head_elems,
+                                    int64_t hkv, int64_t slot, int64_t bs, int64_t D, int64_t es) {
+    if (slot < 0) return;
+    const int64_t blk = slot / bs, off = slot % bs, row = bs * es;
+    const int64_t step = row >= 64 ? 1 : 64 / row; /* key rows per cache line */
+    for (int64_t h = 0; h < hkv; h++) {
+        const int64_t block_start = h * head_elems + blk * bs * D;
+        const char *vdst = v_base + (block_start + off * D) * es;
+        for (int64_t i = 0; i < D * es; i += 64) __builtin_prefetch(vdst + i, 1, 3);
+        const char *kdst = k_base + (block_start + off) * es;
+        for (int64_t d = 0; d < D; d += step) __builtin_prefetch(kdst + d * row, 1, 3);
+    }
+}
+
 static inline void store_kv_slot(char *k_base, char *v_base, int64_t head_elems, int64_t h,
                                  int64_t slot, int64_t bs, int64_t D, int64_t es, const char *k,
                                  const char *v) {
@@ -796,6 +813,9 @@ void ae_rotary(int dt, void *q, int64_t q_st, int64_t q_sh, int64_t hq, void *k,
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
+            if (kv_cache && t + 2 < T) /* two tokens ahead: ~1 us of work here, more than a miss */
+                prefetch_kv_slot(k_base, v_base, head_elems, hkv, slot_mapping[t + 2], block_size,
+                                 D, es);
             load_f32((const char *)cos + t * cs_st * es, c, D, dt);
             load_f32((const char *)sin + t * cs_st * es, s, D, dt);
             for (int64_t h = 0; h < hq + hkv; h++) {
