@@ -1,7 +1,8 @@
 """Build, cache and load the native CPU kernels (`csrc/*.c`), called through ctypes.
 
 The C files (attention, norms and the other small kernels in `cpu_kernels.c`; decode-sized
-bf16 linear layers in `cpu_linear.c`) are compiled into one library once per machine with the
+bf16 linear layers, and a gated MLP's product fused with its SiLU-and-multiply, in
+`cpu_linear.c`) are compiled into one library once per machine with the
 system C compiler (`$CC`, else `cc`) for the host CPU (`-march=native -fopenmp`): about a
 second, with no torch headers. The library is cached under `cache_dir()/native/`, named by a
 hash of the sources, the flags, the compiler binary and the CPU's feature flags, so a new
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # Compiled together into one library; the header is part of the build's hash.
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_linear.c")
-HEADERS = (CSRC / "bf16.h",)
+HEADERS = (CSRC / "bf16.h", CSRC / "fast_exp.h")
 # -fno-trapping-math lets GCC vectorise the clamped exp() loops (FP exception flags are unused).
 CFLAGS = (
     "-O3",
@@ -76,6 +77,7 @@ class NativeKernels:
     silu_mul: Callable[..., None]
     argmax_rows: Callable[..., None]
     linear_bf16: Callable[..., None]
+    linear_silu_bf16: Callable[..., None]
     # whether linear_bf16 runs on AVX512-BF16 dot products (else its portable fp32 loops)
     linear_bf16_fast: bool
 
@@ -178,11 +180,17 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _i64, _i64,  # packed weight, N, K, packed K
         _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out, its row stride, threads
     ])  # fmt: skip
+    linear_silu_bf16 = _function(lib, "ae_linear_silu_bf16", [
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64,  # packed joint [gate; up] weight, N (= 2I), K, packed K
+        _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out [rows][I], its row stride, threads
+    ])  # fmt: skip
     fast = lib.ae_linear_bf16_fast
     fast.restype, fast.argtypes = ctypes.c_int, []
     return NativeKernels(
         path=path,
         linear_bf16=linear_bf16,
+        linear_silu_bf16=linear_silu_bf16,
         linear_bf16_fast=bool(fast()),
         argmax_rows=argmax_rows,
         paged_attention=attention,

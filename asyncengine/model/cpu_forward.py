@@ -42,6 +42,7 @@ from torch import nn
 
 from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
+from asyncengine.model.cpu_linear import PackedLinear
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaDecoderLayer",
@@ -198,9 +199,14 @@ def _mlp(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp_rows(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
     if layer.gate_up is not None:
-        gate_up = layer.gate_up(x)  # [T, 2 * I]
-        inter = gate_up.shape[-1] // 2
-        act = silu_mul_cpu(gate_up[:, :inter], gate_up[:, inter:])
+        # Decode-sized batches: the product and its activation in one native call.
+        fused = layer.gate_up.silu_mul(x) if isinstance(layer.gate_up, PackedLinear) else None
+        if fused is not None:
+            act = fused
+        else:
+            gate_up = layer.gate_up(x)  # [T, 2 * I]
+            inter = gate_up.shape[-1] // 2
+            act = silu_mul_cpu(gate_up[:, :inter], gate_up[:, inter:])
     else:
         assert layer.gate_proj is not None and layer.up_proj is not None
         act = silu_mul_cpu(layer.gate_proj(x), layer.up_proj(x))

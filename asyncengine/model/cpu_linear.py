@@ -70,6 +70,19 @@ class PackedLinear(nn.Module):
         )
         return out
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu(g) * u` of this joint [gate; up] layer's output halves `g`, `u` for x [rows,
+        in], in one native call, bit for bit `silu_mul_cpu` of `forward(x)`'s halves; None
+        where that path does not apply (not bf16, more than NATIVE_MAX_ROWS rows, halves not
+        whole 64-column blocks): the caller then runs the two steps."""
+        native = self._native
+        rows = x.shape[0]
+        if native is None or x.dtype != torch.bfloat16 or not 0 < rows <= NATIVE_MAX_ROWS:
+            return None
+        if x.dim() != 2 or self.out_features % (2 * _NATIVE_BLOCK):
+            return None
+        return native.silu_mul(x)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
@@ -107,6 +120,18 @@ class _NativeProduct:
         self._lib.linear_bf16(
             x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
             self._packed_k, self._bias_address, out.data_ptr(), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(g) * u for this [gate; up] product's halves (n a multiple of 128)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        inter = self._n // 2
+        out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+        self._lib.linear_silu_bf16(
+            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
+            self._packed_k, self._bias_address, out.data_ptr(), inter, torch.get_num_threads(),
         )  # fmt: skip
         return out
 

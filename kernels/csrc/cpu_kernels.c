@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 enum { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
 
@@ -61,39 +62,6 @@ static ALWAYS_INLINE void store_f32(void *dst, const float *restrict src, int64_
         _Float16 *d = (_Float16 *)dst;
         for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
     }
-}
-
-/* 2^y for y in [-126, 127], written so that loops over it vectorise: 2^n * 2^f with |f| <= 1/2
- * and a degree-7 Taylor polynomial for 2^f (relative error below 1e-7, under fp32's rounding). */
-static ALWAYS_INLINE float exp2_normal(float y) {
-    /* round to nearest through a positive offset: truncation vectorises where floorf may not */
-    const int32_t ni = (int32_t)(y + 128.5f) - 128;
-    const float n = (float)ni;
-    const float f = y - n;
-    float p = 1.52527338e-5f;
-    p = p * f + 1.54035304e-4f;
-    p = p * f + 1.33335581e-3f;
-    p = p * f + 9.61812911e-3f;
-    p = p * f + 5.55041087e-2f;
-    p = p * f + 2.40226507e-1f;
-    p = p * f + 6.93147181e-1f;
-    p = p * f + 1.0f;
-    const union { int32_t i; float f; } scale = {.i = (ni + 127) << 23};
-    return p * scale.f;
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum); 0 below 2^-126. */
-static ALWAYS_INLINE float exp_nonpositive(float x) {
-    const float y = x * 1.44269504088896341f;
-    const float e = exp2_normal(y < -126.0f ? -126.0f : y);
-    return y < -126.0f ? 0.0f : e;
-}
-
-/* exp(x) for any x: 0 below 2^-126, clamped at 2^127 above (only SiLU's 1 + exp(-x) sees it). */
-static ALWAYS_INLINE float exp_any(float x) {
-    const float y = x * 1.44269504088896341f;
-    const float e = exp2_normal(y < -126.0f ? -126.0f : (y > 127.0f ? 127.0f : y));
-    return y < -126.0f ? 0.0f : e;
 }
 
 /* 16 fp32 lanes: one AVX-512 register (two AVX2 ones); GCC lowers it to what the CPU has. */
@@ -862,7 +830,7 @@ void ae_silu_mul(int dt, const void *gate, int64_t g_st, const void *up, int64_t
             load_f32((const char *)gate + r * g_st * es, g, n, dt);
             load_f32((const char *)up + r * u_st * es, u, n, dt);
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_any(-g[i]));
+            for (int64_t i = 0; i < n; i++) g[i] = silu_f32(g[i]);
             round_row(g, n, dt);
             for (int64_t i = 0; i < n; i++) g[i] *= u[i];
             store_f32((char *)out + r * o_st * es, g, n, dt);

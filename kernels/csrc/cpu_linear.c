@@ -30,6 +30,7 @@
 #endif
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 #define BLOCK 64  /* output columns per packed block */
 #define MAX_ROWS 6 /* rows per pass over a block: 6 x 4 fp32 sums fill 24 of the 32 registers */
@@ -111,6 +112,54 @@ int ae_linear_bf16_fast(void) {
 #endif
 }
 
+/* res[m][0..63] = the fp32 sums of one packed block's 64 columns for all M rows (xp: the rows
+ * as k-pairs, P of them each). Passes of up to MAX_ROWS rows: the first reads the block's
+ * weights from memory, the later ones from L2. */
+static void block_sums(const char *wb, int64_t P, const uint32_t *xp, int64_t M,
+                       float *restrict res) {
+    const int64_t pair_bytes = 2 * BLOCK * 2, block_bytes = P * pair_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        const uint32_t *xr = xp + m0 * P;
+        float *rr = res + m0 * BLOCK;
+        /* Prefetch: the first pass streams the block from memory, a pair's 4 lines
+         * PREFETCH_BYTES ahead of each pair; each later pass (the block now in L2) requests one
+         * line of the next block in memory per pair, the lines after those the pass before
+         * requested, so that block comes in while this one is computed instead of at the next
+         * block's first pass. */
+        const char *pf = wb + PREFETCH_BYTES;
+        int64_t step = pair_bytes;
+        int lines = 4;
+        if (m0 > 0) {
+            const int64_t done = (m0 / MAX_ROWS - 1) * P * 64; /* bytes requested */
+            pf = wb + block_bytes + done;
+            step = 64;
+            lines = done < block_bytes ? 1 : 0;
+        }
+        const uint16_t *wv = (const uint16_t *)wb;
+        if (rows == 6) block_6(wv, P, xr, P, rr, pf, step, lines);
+        else if (rows == 5) block_5(wv, P, xr, P, rr, pf, step, lines);
+        else if (rows == 4) block_4(wv, P, xr, P, rr, pf, step, lines);
+        else if (rows == 3) block_3(wv, P, xr, P, rr, pf, step, lines);
+        else if (rows == 2) block_2(wv, P, xr, P, rr, pf, step, lines);
+        else block_1(wv, P, xr, P, rr, pf, step, lines);
+    }
+}
+
+/* x's M rows as k-pairs, zero padded to Kp (an odd K's last pair must not read past a row). */
+static uint32_t *rows_as_pairs(const void *x, int64_t x_st, int64_t M, int64_t K, int64_t P) {
+    uint32_t *xp = calloc((size_t)(M * P), sizeof(uint32_t));
+    for (int64_t m = 0; m < M; m++) memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
+    return xp;
+}
+
+/* A block's column sums plus bias, rounded to bf16 and widened back: the product's outputs. */
+static inline float product_value(const float *res, const void *bias, int64_t n) {
+    float v = *res;
+    if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n]);
+    return bf16_to_f32(f32_to_bf16(v));
+}
+
 /*
  * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
  * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
@@ -120,10 +169,8 @@ int ae_linear_bf16_fast(void) {
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t P = Kp / 2;
-    /* x as k-pairs, zero padded to Kp: an odd K's last pair must not read past the row */
-    uint32_t *xp = calloc((size_t)(M * P), sizeof(uint32_t));
-    for (int64_t m = 0; m < M; m++) memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
     const int threads = blocks < num_threads ? (int)blocks : num_threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -132,39 +179,10 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
 #else
         const int64_t t = 0, nt = 1;
 #endif
-        /* fp32 sums of the block's 64 columns for every row. Passes of up to MAX_ROWS rows:
-         * the first reads the block's weights from memory, the later ones from L2. */
         float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
-        const int64_t pair_bytes = 2 * BLOCK * 2, block_bytes = P * pair_bytes;
         for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-            const char *wb = (const char *)w + b * block_bytes;
+            block_sums((const char *)w + b * block_bytes, P, xp, M, res);
             const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-                const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-                const uint32_t *xr = xp + m0 * P;
-                float *rr = res + m0 * BLOCK;
-                /* Prefetch: the first pass streams the block from memory, a pair's 4 lines
-                 * PREFETCH_BYTES ahead of each pair; each later pass (the block now in L2)
-                 * requests one line of the next block per pair, the lines after those the
-                 * pass before requested, so that block comes in while this one is computed
-                 * instead of at the next block's first pass. */
-                const char *pf = wb + PREFETCH_BYTES;
-                int64_t step = pair_bytes;
-                int lines = 4;
-                if (m0 > 0) {
-                    const int64_t done = (m0 / MAX_ROWS - 1) * P * 64; /* bytes requested */
-                    pf = wb + block_bytes + done;
-                    step = 64;
-                    lines = done < block_bytes ? 1 : 0;
-                }
-                const uint16_t *wv = (const uint16_t *)wb;
-                if (rows == 6) block_6(wv, P, xr, P, rr, pf, step, lines);
-                else if (rows == 5) block_5(wv, P, xr, P, rr, pf, step, lines);
-                else if (rows == 4) block_4(wv, P, xr, P, rr, pf, step, lines);
-                else if (rows == 3) block_3(wv, P, xr, P, rr, pf, step, lines);
-                else if (rows == 2) block_2(wv, P, xr, P, rr, pf, step, lines);
-                else block_1(wv, P, xr, P, rr, pf, step, lines);
-            }
             for (int64_t r = 0; r < M; r++) {
                 uint16_t *o = (uint16_t *)out + r * o_st + n0;
                 for (int64_t c = 0; c < cols; c++) {
@@ -175,6 +193,54 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
             }
         }
         free(res);
+    }
+    free(xp);
+}
+
+/*
+ * A gated MLP's first half for decode-sized batches: out[m][i] = silu(g) * u, with g and u
+ * columns i and I + i of the product x @ W^T + bias (W the joint [gate; up] weight, N = 2I
+ * rows, I a multiple of 64), each rounded to bf16 as the product would store it, silu in fp32
+ * rounded to bf16, the product rounded again: ae_linear_bf16 then ae_silu_mul's numbers, bit
+ * for bit, without the [M][2I] intermediate or a second call. Each thread takes a range of
+ * column blocks j and computes block j (gate) and block j + I/64 (up) together.
+ * out: [M][I], row stride o_st.
+ */
+void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
+                         int64_t K, int64_t Kp, const void *bias, void *out, int64_t o_st,
+                         int num_threads) {
+    const int64_t P = Kp / 2, inter = N / 2;
+    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
+    const int64_t pairs = inter / BLOCK, block_bytes = P * 2 * BLOCK * 2;
+    const int threads = pairs < num_threads ? (int)pairs : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        float *gate = malloc((size_t)(M * BLOCK) * sizeof(float));
+        float *up = malloc((size_t)(M * BLOCK) * sizeof(float));
+        for (int64_t j = pairs * t / nt; j < pairs * (t + 1) / nt; j++) {
+            block_sums((const char *)w + j * block_bytes, P, xp, M, gate);
+            block_sums((const char *)w + (pairs + j) * block_bytes, P, xp, M, up);
+            const int64_t n0 = j * BLOCK;
+            for (int64_t r = 0; r < M; r++) {
+                float *g = gate + r * BLOCK, *u = up + r * BLOCK;
+                for (int64_t c = 0; c < BLOCK; c++) {
+                    g[c] = product_value(g + c, bias, n0 + c);
+                    u[c] = product_value(u + c, bias, inter + n0 + c);
+                }
+#pragma omp simd
+                for (int64_t c = 0; c < BLOCK; c++) g[c] = silu_f32(g[c]);
+                uint16_t *o = (uint16_t *)out + r * o_st + n0;
+                for (int64_t c = 0; c < BLOCK; c++)
+                    o[c] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g[c])) * u[c]);
+            }
+        }
+        free(gate);
+        free(up);
     }
     free(xp);
 }

@@ -15,6 +15,7 @@ from torch import nn
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels import cpu_native
 from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.fused_cpu import silu_mul_cpu
 from asyncengine.model import cpu_linear
 from asyncengine.model.cpu_linear import NATIVE_MAX_ROWS, PackedLinear, pack_linear_layers
 
@@ -103,6 +104,34 @@ def test_native_linear_portable_build(tmp_path: Path, monkeypatch: pytest.Monkey
         assert PackedLinear(nn.Linear(64, 64, dtype=torch.bfloat16))._native is None
     finally:
         cpu_native.load_native.cache_clear()
+
+
+@pytest.mark.skipif(not _native_routes(), reason="the native kernel's fast path is not built")
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_gate_up_silu_is_the_two_steps_bit_for_bit(bias: bool) -> None:
+    # A joint [gate; up] layer's silu_mul(x) against its product then silu_mul_cpu, on
+    # decode-sized batches (1-128 rows), with large values (SiLU's exp clamps) and strided rows.
+    g = torch.Generator().manual_seed(5)
+    inter, k = 192, 200
+    linear = nn.Linear(k, 2 * inter, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(2 * inter, k, generator=g) * 0.5)
+        if bias:
+            linear.bias.copy_(torch.randn(2 * inter, generator=g) * 4)
+    packed = PackedLinear(linear)
+    for rows in (1, 2, 5, 6, 7, 13, 64, NATIVE_MAX_ROWS):
+        wide = (torch.randn(rows, k + 3, generator=g) * 3).to(torch.bfloat16)
+        x = wide[:, 1 : 1 + k]
+        with torch.inference_mode():
+            got = packed.silu_mul(x)
+            both = packed(x)
+            want = silu_mul_cpu(both[:, :inter], both[:, inter:])
+        assert got is not None and torch.equal(got, want), rows
+    # Where it does not apply it says so, and the caller runs the two steps.
+    with torch.inference_mode():
+        assert packed.silu_mul(torch.zeros(NATIVE_MAX_ROWS + 1, k, dtype=torch.bfloat16)) is None
+        odd = PackedLinear(nn.Linear(k, 2 * 96, dtype=torch.bfloat16))  # halves of 1.5 blocks
+        assert odd.silu_mul(torch.zeros(3, k, dtype=torch.bfloat16)) is None
 
 
 @pytest.mark.skipif(load_native() is None, reason="no working C compiler")
