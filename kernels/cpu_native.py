@@ -1,14 +1,14 @@
 """Build, cache and load the native CPU kernels (`csrc/*.c`), called through ctypes.
 
 The C files (attention, norms and the other small kernels in `cpu_kernels.c`; decode-sized
-bf16 linear layers, and a gated MLP's product fused with its SiLU-and-multiply, in
-`cpu_linear.c`) are compiled into one library once per machine with the
-system C compiler (`$CC`, else `cc`) for the host CPU (`-march=native -fopenmp`): about a
-second, with no torch headers. The library is cached under `cache_dir()/native/`, named by a
-hash of the sources, the flags, the compiler binary and the CPU's feature flags, so a new
-source, compiler or CPU builds a new one and a cache shared between different machines never
-runs code built for another CPU. A build writes
-a temporary file and renames it, so processes that build at once (tensor-parallel workers) do
+bf16 linear layers, with variants fused with what follows them, in `cpu_linear.c`: a gated
+MLP's SiLU-and-multiply, the residual add and RMSNorm after a projection) are compiled into
+one library once per machine with the system C compiler (`$CC`, else `cc`) for the host CPU
+(`-march=native -fopenmp`): about a second, with no torch headers. The library is cached
+under `cache_dir()/native/`, named by a hash of the sources, the flags, the compiler binary
+and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a cache
+shared between different machines never runs code built for another CPU. A build writes a
+temporary file and renames it, so processes that build at once (tensor-parallel workers) do
 not see a half-written library.
 
 `load_native()` returns None, after one warning, where no compiler works or
@@ -78,6 +78,7 @@ class NativeKernels:
     argmax_rows: Callable[..., None]
     linear_bf16: Callable[..., None]
     linear_silu_bf16: Callable[..., None]
+    linear_add_rms_norm_bf16: Callable[..., None]
     # whether linear_bf16 runs on AVX512-BF16 dot products (else its portable fp32 loops)
     linear_bf16_fast: bool
 
@@ -185,12 +186,20 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         _ptr, _i64, _i64, _i64,  # packed joint [gate; up] weight, N (= 2I), K, packed K
         _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out [rows][I], its row stride, threads
     ])  # fmt: skip
+    linear_add_rms_norm_bf16 = _function(lib, "ae_linear_add_rms_norm_bf16", [
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64, _ptr,  # packed weight, N, K, packed K, bias (or NULL)
+        _ptr, _ptr, _i64,  # product scratch [rows][N], residual (in place), its row stride
+        _ptr, ctypes.c_float, _ptr, _i64,  # norm weight, eps, out, its row stride
+        ctypes.c_int,  # threads
+    ])  # fmt: skip
     fast = lib.ae_linear_bf16_fast
     fast.restype, fast.argtypes = ctypes.c_int, []
     return NativeKernels(
         path=path,
         linear_bf16=linear_bf16,
         linear_silu_bf16=linear_silu_bf16,
+        linear_add_rms_norm_bf16=linear_add_rms_norm_bf16,
         linear_bf16_fast=bool(fast()),
         argmax_rows=argmax_rows,
         paged_attention=attention,

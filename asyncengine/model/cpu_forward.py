@@ -149,12 +149,12 @@ class CpuForward:
             raise ValueError(
                 f"CpuForward runs on the 'cpu' attention backend, not {backend.name!r}"
             )
-        mlp_out: torch.Tensor | None = None
+        mlp: _Projection | None = None  # the last layer's MLP output, or its down projection
         for i, layer in enumerate(self._layers):
-            if mlp_out is None:
+            if mlp is None:
                 x = rms_norm_cpu(residual, layer.input_norm, layer.eps)
             else:
-                x = add_rms_norm_cpu(mlp_out, residual, layer.input_norm, layer.eps)
+                x = _add_rms_norm(mlp, residual, layer.input_norm, layer.eps)
             q, k, v = _project_qkv(layer, x, num_tokens, d)
             kv_cache = attn.kv_caches[i]
             # Rotary, and the cache write of the rotated keys and the values, in one pass.
@@ -163,11 +163,11 @@ class CpuForward:
                 value=v, kv_cache=kv_cache, slot_mapping=slots,
             )  # fmt: skip
             out = backend.paged_attention(q, k, v, kv_cache, plan, layer.scale)  # [T, H_q, D]
-            x = add_rms_norm_cpu(
-                layer.o_proj(out.view(num_tokens, -1)), residual, layer.post_norm, layer.eps
-            )
-            mlp_out = _mlp(layer, x)
-        assert mlp_out is not None
+            o_proj = (layer.o_proj, out.view(num_tokens, -1))
+            x = _add_rms_norm(o_proj, residual, layer.post_norm, layer.eps)
+            mlp = _mlp(layer, x)
+        assert mlp is not None
+        mlp_out: torch.Tensor = mlp[1] if mlp[0] is None else mlp[0](mlp[1])
         # The last residual add and the final norm, on the sampled rows only.
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)
@@ -184,20 +184,43 @@ class CpuForward:
 _MLP_CHUNK_ROWS = 256
 
 
-def _mlp(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for x [T, hidden]; long inputs in row chunks."""
+# A projection into the residual stream: (None, its output), or (the layer, its input) where
+# the product is left to `_add_rms_norm`, which can run it together with the norm after it.
+_Projection = tuple[nn.Module | None, torch.Tensor]
+
+
+def _add_rms_norm(
+    projection: _Projection, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`residual += product` (in place) and its RMSNorm: for decode-sized batches one native
+    call (PackedLinear.add_rms_norm), else the product then add_rms_norm_cpu."""
+    layer, x = projection
+    if layer is not None:
+        if isinstance(layer, PackedLinear):
+            fused = layer.add_rms_norm(x, residual, weight, eps)
+            if fused is not None:
+                return fused
+        x = layer(x)
+    normed: torch.Tensor = add_rms_norm_cpu(x, residual, weight, eps)
+    return normed
+
+
+def _mlp(layer: LeanLayer, x: torch.Tensor) -> _Projection:
+    """down(silu(gate(x)) * up(x)) for x [T, hidden], the down projection left to the caller;
+    long inputs in row chunks, with it done."""
     num_tokens = x.shape[0]
     if num_tokens < 2 * _MLP_CHUNK_ROWS:
-        return _mlp_rows(layer, x)
+        return layer.down_proj, _activation(layer, x)
     chunks = num_tokens // _MLP_CHUNK_ROWS
     bounds = [num_tokens * i // chunks for i in range(chunks + 1)]
     out = torch.empty_like(x)
     for start, end in itertools.pairwise(bounds):
-        out[start:end] = _mlp_rows(layer, x[start:end])
-    return out
+        out[start:end] = layer.down_proj(_activation(layer, x[start:end]))
+    return None, out
 
 
-def _mlp_rows(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
+def _activation(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate(x)) * up(x): the MLP's input to its down projection."""
     if layer.gate_up is not None:
         # Decode-sized batches: the product and its activation in one native call.
         fused = layer.gate_up.silu_mul(x) if isinstance(layer.gate_up, PackedLinear) else None
@@ -210,8 +233,7 @@ def _mlp_rows(layer: LeanLayer, x: torch.Tensor) -> torch.Tensor:
     else:
         assert layer.gate_proj is not None and layer.up_proj is not None
         act = silu_mul_cpu(layer.gate_proj(x), layer.up_proj(x))
-    out: torch.Tensor = layer.down_proj(act)
-    return out
+    return act
 
 
 def _project_qkv(

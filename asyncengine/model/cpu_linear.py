@@ -83,6 +83,24 @@ class PackedLinear(nn.Module):
             return None
         return native.silu_mul(x)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        """`add_rms_norm_cpu(forward(x), residual, weight, eps)` in one native call, bit for
+        bit: `residual += forward(x)` in place, and its RMSNorm returned. None where that path
+        does not apply (not bf16, more than NATIVE_MAX_ROWS rows, a residual whose rows are not
+        contiguous, a width that is not a multiple of 16): the caller runs the two steps."""
+        native = self._native
+        rows = x.shape[0]
+        if native is None or x.dtype != torch.bfloat16 or not 0 < rows <= NATIVE_MAX_ROWS:
+            return None
+        n = self.out_features
+        if x.dim() != 2 or n % 16 or residual.shape != (rows, n) or residual.stride(-1) != 1:
+            return None
+        if residual.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+            return None
+        return native.add_rms_norm(x, residual, weight, eps)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
@@ -120,6 +138,23 @@ class _NativeProduct:
         self._lib.linear_bf16(
             x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
             self._packed_k, self._bias_address, out.data_ptr(), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += the product, in place; its RMSNorm times weight (see PackedLinear)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        product = torch.empty(rows, self._n, dtype=torch.bfloat16)
+        out = torch.empty(rows, self._n, dtype=torch.bfloat16)
+        w = weight.contiguous()
+        self._lib.linear_add_rms_norm_bf16(
+            x.data_ptr(), x.stride(0), rows, self._address, self._n, self._k, self._packed_k,
+            self._bias_address, product.data_ptr(), residual.data_ptr(), residual.stride(0),
+            w.data_ptr(), eps, out.data_ptr(), self._n, torch.get_num_threads(),
         )  # fmt: skip
         return out
 

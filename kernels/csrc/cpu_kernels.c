@@ -676,6 +676,10 @@ void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
     }
 }
 
+void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                          void *out, int64_t o_st, const float *w, float *buf, float *other,
+                          int64_t r0, int64_t r1, int64_t n, float eps);
+
 /*
  * A pre-norm decoder's residual step, `residual = residual + x; out = RMSNorm(residual)`:
  * the sum rounded to the dtype (as torch's add) and stored back into `residual` in place, then
@@ -684,7 +688,6 @@ void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
 void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
                      void *out, int64_t o_st, const void *weight, int64_t rows, int64_t n,
                      float eps, int num_threads) {
-    const int64_t es = elem_size(dt);
 #pragma omp parallel num_threads(num_threads) if (rows * n >= 32768)
     {
         float *buf = malloc((size_t)n * sizeof(float));
@@ -692,24 +695,36 @@ void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_
         float *w = malloc((size_t)n * sizeof(float));
         load_f32(weight, w, n, dt);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            char *res = (char *)residual + r * r_st * es;
-            if (dt == AE_BF16 && n % LANES == 0) {
-                add_rms_norm_row_bf16((const uint16_t *)x + r * x_st, (uint16_t *)res,
-                                      (uint16_t *)out + r * o_st, w, buf, n, eps);
-                continue;
-            }
-            load_f32(res, buf, n, dt);
-            load_f32((const char *)x + r * x_st * es, other, n, dt);
-            for (int64_t i = 0; i < n; i++) buf[i] += other[i];
-            store_f32(res, buf, n, dt);
-            round_row(buf, n, dt);
-            rms_norm_row(buf, w, n, eps, dt);
-            store_f32((char *)out + r * o_st * es, buf, n, dt);
-        }
+        for (int64_t r = 0; r < rows; r++)
+            ae_add_rms_norm_rows(dt, x, x_st, residual, r_st, out, o_st, w, buf, other, r, r + 1,
+                                 n, eps);
         free(buf);
         free(other);
         free(w);
+    }
+}
+
+/* Rows [r0, r1) of ae_add_rms_norm in the calling thread: w, the weight widened to fp32;
+ * buf and other, n floats of scratch each. (Also the second half of the linear kernel that
+ * ends in this norm, cpu_linear.c: the same code, so the same numbers.) */
+void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                          void *out, int64_t o_st, const float *w, float *buf, float *other,
+                          int64_t r0, int64_t r1, int64_t n, float eps) {
+    const int64_t es = elem_size(dt);
+    for (int64_t r = r0; r < r1; r++) {
+        char *res = (char *)residual + r * r_st * es;
+        if (dt == AE_BF16 && n % LANES == 0) {
+            add_rms_norm_row_bf16((const uint16_t *)x + r * x_st, (uint16_t *)res,
+                                  (uint16_t *)out + r * o_st, w, buf, n, eps);
+            continue;
+        }
+        load_f32(res, buf, n, dt);
+        load_f32((const char *)x + r * x_st * es, other, n, dt);
+        for (int64_t i = 0; i < n; i++) buf[i] += other[i];
+        store_f32(res, buf, n, dt);
+        round_row(buf, n, dt);
+        rms_norm_row(buf, w, n, eps, dt);
+        store_f32((char *)out + r * o_st * es, buf, n, dt);
     }
 }
 

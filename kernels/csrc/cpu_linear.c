@@ -103,6 +103,11 @@ DEFINE_BLOCK(4)
 DEFINE_BLOCK(5)
 DEFINE_BLOCK(6)
 
+/* cpu_kernels.c: rows [r0, r1) of ae_add_rms_norm, in the calling thread (dt 1: bf16). */
+void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                          void *out, int64_t o_st, const float *w, float *buf, float *other,
+                          int64_t r0, int64_t r1, int64_t n, float eps);
+
 /* 1 where the vdpbf16ps path was built (else the portable one runs). */
 int ae_linear_bf16_fast(void) {
 #ifdef __AVX512BF16__
@@ -153,6 +158,21 @@ static uint32_t *rows_as_pairs(const void *x, int64_t x_st, int64_t M, int64_t K
     return xp;
 }
 
+/* Block b's outputs: its column sums (res, [M][64]) plus bias, rounded to bf16, into out's
+ * columns b * 64 .. (N the product's width, o_st out's row stride). */
+static void store_block(const float *res, int64_t M, int64_t b, int64_t N, const void *bias,
+                        void *out, int64_t o_st) {
+    const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
+    for (int64_t r = 0; r < M; r++) {
+        uint16_t *o = (uint16_t *)out + r * o_st + n0;
+        for (int64_t c = 0; c < cols; c++) {
+            float v = res[r * BLOCK + c];
+            if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n0 + c]);
+            o[c] = f32_to_bf16(v);
+        }
+    }
+}
+
 /* A block's column sums plus bias, rounded to bf16 and widened back: the product's outputs. */
 static inline float product_value(const float *res, const void *bias, int64_t n) {
     float v = *res;
@@ -182,15 +202,7 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
         float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
         for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
             block_sums((const char *)w + b * block_bytes, P, xp, M, res);
-            const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
-            for (int64_t r = 0; r < M; r++) {
-                uint16_t *o = (uint16_t *)out + r * o_st + n0;
-                for (int64_t c = 0; c < cols; c++) {
-                    float v = res[r * BLOCK + c];
-                    if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n0 + c]);
-                    o[c] = f32_to_bf16(v);
-                }
-            }
+            store_block(res, M, b, N, bias, out, o_st);
         }
         free(res);
     }
@@ -241,6 +253,52 @@ void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, 
         }
         free(gate);
         free(up);
+    }
+    free(xp);
+}
+
+/*
+ * A pre-norm decoder's projection into the residual stream and the norm after it, for
+ * decode-sized batches: product = x @ W^T + bias (ae_linear_bf16, into `product`, [M][N]
+ * scratch), then `residual += product; out = RMSNorm(residual) * norm_weight` per row
+ * (ae_add_rms_norm's code): one call and one thread team instead of two, the rows' norms run
+ * by the threads that just computed their columns. Same numbers as the two calls, bit for bit.
+ * residual: [M][N], row stride r_st, updated in place; out: [M][N], row stride o_st.
+ */
+void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const void *w,
+                                 int64_t N, int64_t K, int64_t Kp, const void *bias,
+                                 void *product, void *residual, int64_t r_st,
+                                 const void *norm_weight, float eps, void *out, int64_t o_st,
+                                 int num_threads) {
+    const int64_t P = Kp / 2;
+    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
+    const int threads = blocks < num_threads ? (int)blocks : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
+        for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
+            block_sums((const char *)w + b * block_bytes, P, xp, M, res);
+            store_block(res, M, b, N, bias, product, N);
+        }
+        free(res);
+        float *wn = malloc((size_t)N * sizeof(float));
+        float *buf = malloc((size_t)N * sizeof(float));
+        float *other = malloc((size_t)N * sizeof(float));
+        for (int64_t i = 0; i < N; i++) wn[i] = bf16_to_f32(((const uint16_t *)norm_weight)[i]);
+#pragma omp barrier /* every column of every row is in `product` */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++)
+            ae_add_rms_norm_rows(1, product, N, residual, r_st, out, o_st, wn, buf, other, r,
+                                 r + 1, N, eps);
+        free(wn);
+        free(buf);
+        free(other);
     }
     free(xp);
 }

@@ -15,7 +15,7 @@ from torch import nn
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels import cpu_native
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.fused_cpu import silu_mul_cpu
+from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, silu_mul_cpu
 from asyncengine.model import cpu_linear
 from asyncengine.model.cpu_linear import NATIVE_MAX_ROWS, PackedLinear, pack_linear_layers
 
@@ -132,6 +132,37 @@ def test_fused_gate_up_silu_is_the_two_steps_bit_for_bit(bias: bool) -> None:
         assert packed.silu_mul(torch.zeros(NATIVE_MAX_ROWS + 1, k, dtype=torch.bfloat16)) is None
         odd = PackedLinear(nn.Linear(k, 2 * 96, dtype=torch.bfloat16))  # halves of 1.5 blocks
         assert odd.silu_mul(torch.zeros(3, k, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(not _native_routes(), reason="the native kernel's fast path is not built")
+@pytest.mark.parametrize(("n", "bias"), [(576, False), (1024, True), (80, False)])
+def test_fused_projection_add_rms_norm_is_the_two_steps_bit_for_bit(n: int, bias: bool) -> None:
+    # A projection's add_rms_norm(x, residual, ...) against its product then add_rms_norm_cpu:
+    # the same normed rows and the same residual afterwards, bit for bit, on 1-128 rows with a
+    # residual whose rows are strided.
+    g = torch.Generator().manual_seed(7)
+    k = 160
+    linear = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.2)
+        if bias:
+            linear.bias.copy_(torch.randn(n, generator=g))
+    packed = PackedLinear(linear)
+    weight = (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16)
+    for rows in (1, 2, 7, 64, NATIVE_MAX_ROWS):
+        x = (torch.randn(rows, k, generator=g) * 2).to(torch.bfloat16)
+        wide = (torch.randn(rows, n + 8, generator=g) * 4).to(torch.bfloat16)
+        got_res, want_res = wide.clone()[:, :n], wide.clone()[:, :n]
+        with torch.inference_mode():
+            got = packed.add_rms_norm(x, got_res, weight, 1e-5)
+            want = add_rms_norm_cpu(packed(x), want_res, weight, 1e-5)
+        assert got is not None and torch.equal(got, want), rows
+        assert torch.equal(got_res, want_res), rows
+    with torch.inference_mode():  # where it does not apply it says so
+        big = torch.zeros(NATIVE_MAX_ROWS + 1, k, dtype=torch.bfloat16)
+        res = torch.zeros(NATIVE_MAX_ROWS + 1, n, dtype=torch.bfloat16)
+        assert packed.add_rms_norm(big, res, weight, 1e-5) is None
+        assert packed.add_rms_norm(big[:3], res[:3].float(), weight, 1e-5) is None
 
 
 @pytest.mark.skipif(load_native() is None, reason="no working C compiler")
