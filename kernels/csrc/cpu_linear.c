@@ -180,6 +180,30 @@ static inline float product_value(const float *res, const void *bias, int64_t n)
     return bf16_to_f32(f32_to_bf16(v));
 }
 
+/* Threads for a product N columns wide: one 64-column block each at least. */
+static int team_size(int64_t N, int num_threads) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    return blocks < num_threads ? (int)blocks : num_threads;
+}
+
+/* Inside a parallel region: this thread's contiguous range of the product's 64-column blocks,
+ * their sums, bias and rounding stored into out (row stride o_st). */
+static void product_share(const uint32_t *xp, int64_t P, int64_t M, const void *w, int64_t N,
+                          const void *bias, void *out, int64_t o_st) {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
+    float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
+    for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
+        block_sums((const char *)w + b * block_bytes, P, xp, M, res);
+        store_block(res, M, b, N, bias, out, o_st);
+    }
+    free(res);
+}
+
 /*
  * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
  * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
@@ -190,22 +214,8 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t P = Kp / 2;
     uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
-    const int threads = blocks < num_threads ? (int)blocks : num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
-        for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-            block_sums((const char *)w + b * block_bytes, P, xp, M, res);
-            store_block(res, M, b, N, bias, out, o_st);
-        }
-        free(res);
-    }
+#pragma omp parallel num_threads(team_size(N, num_threads)) if (team_size(N, num_threads) > 1)
+    product_share(xp, P, M, w, N, bias, out, o_st);
     free(xp);
 }
 
@@ -272,21 +282,9 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  int num_threads) {
     const int64_t P = Kp / 2;
     uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
-    const int threads = blocks < num_threads ? (int)blocks : num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp parallel num_threads(team_size(N, num_threads)) if (team_size(N, num_threads) > 1)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
-        for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-            block_sums((const char *)w + b * block_bytes, P, xp, M, res);
-            store_block(res, M, b, N, bias, product, N);
-        }
-        free(res);
+        product_share(xp, P, M, w, N, bias, product, N);
         float *wn = malloc((size_t)N * sizeof(float));
         float *buf = malloc((size_t)N * sizeof(float));
         float *other = malloc((size_t)N * sizeof(float));
