@@ -75,11 +75,8 @@ class PackedLinear(nn.Module):
         in], in one native call, bit for bit `silu_mul_cpu` of `forward(x)`'s halves; None
         where that path does not apply (not bf16, more than NATIVE_MAX_ROWS rows, halves not
         whole 64-column blocks): the caller then runs the two steps."""
-        native = self._native
-        rows = x.shape[0]
-        if native is None or x.dtype != torch.bfloat16 or not 0 < rows <= NATIVE_MAX_ROWS:
-            return None
-        if x.dim() != 2 or self.out_features % (2 * _NATIVE_BLOCK):
+        native = self._native_for(x)
+        if native is None or self.out_features % (2 * _NATIVE_BLOCK):
             return None
         return native.silu_mul(x)
 
@@ -90,16 +87,20 @@ class PackedLinear(nn.Module):
         bit: `residual += forward(x)` in place, and its RMSNorm returned. None where that path
         does not apply (not bf16, more than NATIVE_MAX_ROWS rows, a residual whose rows are not
         contiguous, a width that is not a multiple of 16): the caller runs the two steps."""
-        native = self._native
-        rows = x.shape[0]
-        if native is None or x.dtype != torch.bfloat16 or not 0 < rows <= NATIVE_MAX_ROWS:
-            return None
+        native = self._native_for(x)
         n = self.out_features
-        if x.dim() != 2 or n % 16 or residual.shape != (rows, n) or residual.stride(-1) != 1:
+        if native is None or n % 16 or residual.shape != (x.shape[0], n):
             return None
-        if residual.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        if residual.stride(-1) != 1 or {residual.dtype, weight.dtype} != {torch.bfloat16}:
             return None
         return native.add_rms_norm(x, residual, weight, eps)
+
+    def _native_for(self, x: torch.Tensor) -> _NativeProduct | None:
+        """The native kernel, where it takes x: bf16 rows [rows, in], 1 to NATIVE_MAX_ROWS."""
+        native = self._native
+        if native is None or x.dtype != torch.bfloat16 or x.dim() != 2:
+            return None
+        return native if 0 < x.shape[0] <= NATIVE_MAX_ROWS else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"

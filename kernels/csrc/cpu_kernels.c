@@ -234,10 +234,10 @@ static ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {
 }
 
 /* The softmax of a row's first len scores in place, and zeros from len up to len_max, 16 lanes
- * at a time with masks for the ends. The plain loops (attend_tile's fallback) leave a row's last
- * len % 16 values to scalar code whose partial results go through the stack (stalled store
- * forwarding): with short prefill rows that was ~a fifth of the kernel's time. A NaN score poisons the row, as
- * there (the max skips it; its exp does not). */
+ * at a time with masks for the ends. The plain loops (attend_tile's fallback) leave a row's
+ * last len % 16 values to scalar code whose partial results go through the stack (stalled
+ * store forwarding): with short prefill rows that was ~a fifth of the kernel's time. A NaN
+ * score poisons the row, as there (the max skips it; its exp does not). */
 static ALWAYS_INLINE void softmax_row_avx512(float *restrict sr, int64_t len, int64_t len_max) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
@@ -508,9 +508,6 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
     free(first_tile);
 }
 
-/* Store one token's K and V head (D contiguous values each) at `slot` of a layer's cache (key
- * and value halves at k_base / v_base, head_elems elements per head): the value row as it is,
- * the key transposed within its block. A negative slot is skipped (padding). */
 /* Ask for the cache lines that store_kv_slot will write for `slot`, every KV head, with intent
  * to write. A step's slots are scattered over the cache, which streams through the caches
  * between one step's write and the next, so each write would otherwise wait on memory. */
@@ -528,6 +525,9 @@ static inline void prefetch_kv_slot(const char *k_base, const char *v_base, int6
     }
 }
 
+/* Store one token's K and V head (D contiguous values each) at `slot` of a layer's cache (key
+ * and value halves at k_base / v_base, head_elems elements per head): the value row as it is,
+ * the key transposed within its block. A negative slot is skipped (padding). */
 static inline void store_kv_slot(char *k_base, char *v_base, int64_t head_elems, int64_t h,
                                  int64_t slot, int64_t bs, int64_t D, int64_t es, const char *k,
                                  const char *v) {
@@ -676,9 +676,27 @@ void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
     }
 }
 
-void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
-                          void *out, int64_t o_st, const float *w, float *buf, float *other,
-                          int64_t r0, int64_t r1, int64_t n, float eps);
+/* Row r of ae_add_rms_norm, in the calling thread: w, the weight widened to fp32; buf and
+ * other, n floats of scratch each. (Also the second half of the linear kernel that ends in
+ * this norm, cpu_linear.c: the same code, so the same numbers.) */
+void ae_add_rms_norm_row(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                         void *out, int64_t o_st, const float *w, float *buf, float *other,
+                         int64_t r, int64_t n, float eps) {
+    const int64_t es = elem_size(dt);
+    char *res = (char *)residual + r * r_st * es;
+    if (dt == AE_BF16 && n % LANES == 0) {
+        add_rms_norm_row_bf16((const uint16_t *)x + r * x_st, (uint16_t *)res,
+                              (uint16_t *)out + r * o_st, w, buf, n, eps);
+        return;
+    }
+    load_f32(res, buf, n, dt);
+    load_f32((const char *)x + r * x_st * es, other, n, dt);
+    for (int64_t i = 0; i < n; i++) buf[i] += other[i];
+    store_f32(res, buf, n, dt);
+    round_row(buf, n, dt);
+    rms_norm_row(buf, w, n, eps, dt);
+    store_f32((char *)out + r * o_st * es, buf, n, dt);
+}
 
 /*
  * A pre-norm decoder's residual step, `residual = residual + x; out = RMSNorm(residual)`:
@@ -696,35 +714,10 @@ void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_
         load_f32(weight, w, n, dt);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            ae_add_rms_norm_rows(dt, x, x_st, residual, r_st, out, o_st, w, buf, other, r, r + 1,
-                                 n, eps);
+            ae_add_rms_norm_row(dt, x, x_st, residual, r_st, out, o_st, w, buf, other, r, n, eps);
         free(buf);
         free(other);
         free(w);
-    }
-}
-
-/* Rows [r0, r1) of ae_add_rms_norm in the calling thread: w, the weight widened to fp32;
- * buf and other, n floats of scratch each. (Also the second half of the linear kernel that
- * ends in this norm, cpu_linear.c: the same code, so the same numbers.) */
-void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
-                          void *out, int64_t o_st, const float *w, float *buf, float *other,
-                          int64_t r0, int64_t r1, int64_t n, float eps) {
-    const int64_t es = elem_size(dt);
-    for (int64_t r = r0; r < r1; r++) {
-        char *res = (char *)residual + r * r_st * es;
-        if (dt == AE_BF16 && n % LANES == 0) {
-            add_rms_norm_row_bf16((const uint16_t *)x + r * x_st, (uint16_t *)res,
-                                  (uint16_t *)out + r * o_st, w, buf, n, eps);
-            continue;
-        }
-        load_f32(res, buf, n, dt);
-        load_f32((const char *)x + r * x_st * es, other, n, dt);
-        for (int64_t i = 0; i < n; i++) buf[i] += other[i];
-        store_f32(res, buf, n, dt);
-        round_row(buf, n, dt);
-        rms_norm_row(buf, w, n, eps, dt);
-        store_f32((char *)out + r * o_st * es, buf, n, dt);
     }
 }
 

@@ -103,10 +103,10 @@ DEFINE_BLOCK(4)
 DEFINE_BLOCK(5)
 DEFINE_BLOCK(6)
 
-/* cpu_kernels.c: rows [r0, r1) of ae_add_rms_norm, in the calling thread (dt 1: bf16). */
-void ae_add_rms_norm_rows(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
-                          void *out, int64_t o_st, const float *w, float *buf, float *other,
-                          int64_t r0, int64_t r1, int64_t n, float eps);
+/* cpu_kernels.c: row r of ae_add_rms_norm, in the calling thread (dt 1: bf16). */
+void ae_add_rms_norm_row(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                         void *out, int64_t o_st, const float *w, float *buf, float *other,
+                         int64_t r, int64_t n, float eps);
 
 /* 1 where the vdpbf16ps path was built (else the portable one runs). */
 int ae_linear_bf16_fast(void) {
@@ -154,7 +154,8 @@ static void block_sums(const char *wb, int64_t P, const uint32_t *xp, int64_t M,
 /* x's M rows as k-pairs, zero padded to Kp (an odd K's last pair must not read past a row). */
 static uint32_t *rows_as_pairs(const void *x, int64_t x_st, int64_t M, int64_t K, int64_t P) {
     uint32_t *xp = calloc((size_t)(M * P), sizeof(uint32_t));
-    for (int64_t m = 0; m < M; m++) memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
+    for (int64_t m = 0; m < M; m++)
+        memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
     return xp;
 }
 
@@ -292,8 +293,8 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
 #pragma omp barrier /* every column of every row is in `product` */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
-            ae_add_rms_norm_rows(1, product, N, residual, r_st, out, o_st, wn, buf, other, r,
-                                 r + 1, N, eps);
+            ae_add_rms_norm_row(1, product, N, residual, r_st, out, o_st, wn, buf, other, r, N,
+                                eps);
         free(wn);
         free(buf);
         free(other);
