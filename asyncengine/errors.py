@@ -1,6 +1,9 @@
-"""Errors that reach users of the engine."""
+"""Errors that reach users of the engine, and how a failure is described across a process."""
 
 from __future__ import annotations
+
+import os
+import traceback
 
 
 class EngineDeadError(RuntimeError):
@@ -13,3 +16,22 @@ class EngineStartupError(RuntimeError):
 
 class UnsupportedModelError(ValueError):
     """The model's architecture cannot be served by asyncengine."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line for a log or a wire message: the error, its root cause, and where the root
+    cause was raised (file:line in function). Used where an exception cannot travel itself,
+    e.g. from the engine core's process to the client."""
+    root = exc
+    while root.__cause__ is not None or (
+        root.__context__ is not None and not root.__suppress_context__
+    ):
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    text = f"{type(exc).__name__}: {exc}"
+    if root is not exc:
+        text += f" (root cause: {type(root).__name__}: {root})"
+    frames = traceback.extract_tb(root.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" [at {os.path.basename(last.filename)}:{last.lineno} in {last.name}]"
+    return text

@@ -1,7 +1,10 @@
 """SamplingParams: how one request's tokens are chosen and when it stops.
 
-It crosses the socket inside `EngineCoreRequest`, so it is a `msgspec.Struct`; the client
-validates it once, at construction, and the core trusts it.
+It crosses the socket inside `EngineCoreRequest`, so it is a `msgspec.Struct`. The client
+validates it: at construction, and again when a request is submitted (it may have been changed
+since). The engine core and the workers decode the same fields as `CoreSamplingParams`, the
+base class without the checks: msgspec runs `__post_init__` on every decode, and a request
+that was validated once need not be validated again in every process it passes through.
 """
 
 from __future__ import annotations
@@ -25,11 +28,9 @@ def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field}={value!r} is invalid: {allowed}")
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Per-request sampling settings, vLLM's names and meanings.
-
-    Invalid values raise `ValueError` naming the field and the allowed range.
-    """
+class CoreSamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The sampling settings as the engine core and the workers hold them: the fields of a
+    `SamplingParams` that the client has validated, trusted as they are."""
 
     n: int = 1
     temperature: float = 1.0
@@ -50,12 +51,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
+
+class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
+    """Per-request sampling settings, vLLM's names and meanings.
+
+    Invalid values raise `ValueError` naming the field and the allowed range, at construction
+    and again when the request is submitted (`validate()`).
+    """
+
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first invalid field and its allowed range (a `stop` string
+        becomes a one-item list)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self._validate()
 
-    def _validate(self) -> None:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 

@@ -24,7 +24,7 @@ import anyio.lowlevel
 import msgspec
 
 from asyncengine.client.core_client import EngineCoreClient, ProcCoreClient, ThreadCoreClient
-from asyncengine.client.input_processor import InputProcessor, Prompt
+from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
@@ -33,7 +33,6 @@ from asyncengine.errors import EngineDeadError
 from asyncengine.ipc.messages import EngineCoreOutputs, EngineStats, UtilityCall, UtilityResult
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.sched.request import check_fits_kv_cache, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +128,6 @@ class AsyncLLM:
             # A spawned core imports torch and loads the model while we load the tokenizer.
             await client.launch()
             self._tokenizer = await anyio.to_thread.run_sync(Tokenizer, model_dir)
-            self._input_processor = InputProcessor(self._config.model_config, self._tokenizer)
             self._output_processor = OutputProcessor(self._tokenizer)
             await client.start()
         except BaseException:
@@ -138,6 +136,9 @@ class AsyncLLM:
             raise
         self._dead_event = anyio.Event()
         self._config = self._config.replace_cache(num_kv_blocks=client.num_kv_blocks)
+        self._input_processor = InputProcessor(
+            self._tokenizer, self._config.model_config.vocab_size, request_limits(self._config)
+        )
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._task_group = tg
@@ -215,22 +216,12 @@ class AsyncLLM:
         assert ip is not None and op is not None and client is not None
         if request_id is not None and request_id in op.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        request_id, text, token_ids, params, core_requests = ip.process(
-            prompt, params, request_id=request_id, priority=priority
-        )
-        # The core would refuse it too, but asynchronously; refusing here raises in the caller.
-        model_config, cache_config = self._config.model_config, self._config.cache_config
-        check_fits_kv_cache(
-            request_id,
-            len(token_ids),
-            resolve_max_tokens(len(token_ids), params, model_config.max_model_len),
-            cache_config.block_size,
-            client.num_kv_blocks,
-        )
-        op.add_request(op.new_request_state(request_id, text, token_ids, params, core_requests))
-        stream = RequestStream(request_id, params.output_kind)
-        self._state.streams[request_id] = stream
-        for core_request in core_requests:
+        # Every check happens here (the core would refuse too, but asynchronously).
+        request = ip.process(prompt, params, request_id=request_id, priority=priority)
+        op.add_request(request)
+        stream = RequestStream(request.request_id, request.params.output_kind)
+        self._state.streams[request.request_id] = stream
+        for core_request in request.core_requests:
             client.add_request_nowait(core_request)
         return stream
 
@@ -270,12 +261,18 @@ class AsyncLLM:
                 f"the engine core did not answer a health check within {timeout} s"
             ) from None
 
+    async def statistics(self) -> EngineStats:
+        """A frozen snapshot of the core: running/waiting requests, KV blocks used/total,
+        prefix-cache hits (a round trip to the core)."""
+        return msgspec.convert(await self._call_utility("statistics"), EngineStats)
+
     async def get_stats(self) -> EngineStats:
-        """Running/waiting requests, KV blocks used/total, prefix-cache hit rate."""
-        return msgspec.convert(await self._call_utility("get_stats"), EngineStats)
+        """The same as `statistics()` (vLLM's name)."""
+        return await self.statistics()
 
     async def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache's contents; False if blocks are still in use."""
+        """Forget the prefix cache's contents: later requests find no cached prefix. Blocks
+        that running requests use stay theirs. Returns True."""
         return bool(await self._call_utility("reset_prefix_cache"))
 
     async def _call_utility(self, method: str, *args: Any) -> Any:

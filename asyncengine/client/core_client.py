@@ -29,8 +29,8 @@ import msgspec
 import zmq
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.engine_core_proc import encode_config, run_engine_core
-from asyncengine.errors import EngineStartupError
+from asyncengine.core.engine_core_proc import run_engine_core
+from asyncengine.errors import EngineStartupError, describe_exception
 from asyncengine.ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -45,6 +45,7 @@ from asyncengine.ipc.messages import (
 from asyncengine.ipc.serial import (
     MsgpackEncoder,
     RequestPayload,
+    encode_config,
     encode_request,
     handshake_decoder,
     outputs_decoder,
@@ -69,8 +70,7 @@ _MAX_OUTPUTS_PER_BATCH = 64  # messages taken per get_outputs(), to keep the loo
 class EngineCoreClient(ABC):
     """The client's end of one engine core."""
 
-    num_kv_blocks: int = 0
-    max_model_len: int = 0
+    num_kv_blocks: int = 0  # known once the core is ready
 
     async def launch(self) -> None:
         """Set the core's start-up going without waiting for it; `start()` then waits.
@@ -179,7 +179,6 @@ class ProcCoreClient(EngineCoreClient):
         if not isinstance(message, HandshakeReady):
             raise EngineStartupError(f"engine core sent {type(message).__name__}, not READY")
         self.num_kv_blocks = message.num_kv_blocks
-        self.max_model_len = message.max_model_len
         handshake.close()
         # 4. The core has bound its input socket: connect to it.
         self._input = make_socket(self._ctx, self.input_address, zmq.PUSH, bind=False)
@@ -350,7 +349,7 @@ class ThreadCoreClient(EngineCoreClient):
     async def start(self) -> None:
         # The core pulls in torch: import it only when this client is used.
         from asyncengine.core.engine_core import EngineCore, import_model_code
-        from asyncengine.core.engine_core_proc import EngineCoreLoop, _describe
+        from asyncengine.core.engine_core_proc import EngineCoreLoop
 
         def build() -> EngineCore:
             import_model_code(self.config, owns_process=False)
@@ -360,22 +359,21 @@ class ThreadCoreClient(EngineCoreClient):
             self.engine_core = await anyio.to_thread.run_sync(build)
         except Exception as exc:
             await self.shutdown()
-            raise EngineStartupError(f"engine core failed to start: {_describe(exc)}") from exc
+            raise EngineStartupError(
+                f"engine core failed to start: {describe_exception(exc)}"
+            ) from exc
         self.num_kv_blocks = self.engine_core.num_kv_blocks
-        self.max_model_len = self.engine_core.config.model_config.max_model_len
         self._loop = EngineCoreLoop(self.engine_core, self._emit)
         self._thread = threading.Thread(target=self._run, name="AsyncEngineCore", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from asyncengine.core.engine_core_proc import _describe
-
         assert self._loop is not None
         try:
             self._loop.run_busy_loop()
         except BaseException as exc:
             logger.exception("engine core failed")
-            self._emit(EngineCoreOutputs(engine_dead=_describe(exc)))
+            self._emit(EngineCoreOutputs(engine_dead=describe_exception(exc)))
 
     def _emit(self, outputs: EngineCoreOutputs) -> None:
         # Called from the core's thread.

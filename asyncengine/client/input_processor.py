@@ -1,7 +1,9 @@
-"""InputProcessor: a user's prompt and params → validated EngineCoreRequests.
+"""InputProcessor: a user's prompt and params → a validated ProcessedRequest, whose
+EngineCoreRequests go to the core.
 
-Every check that depends only on the request happens here, on the caller's side, so a bad
-request is refused with a ValueError before it reaches the core.
+Every check that depends only on the request happens here, once, on the caller's side (the
+params, the prompt, and the engine's limits: `RequestLimits`), so a bad request is refused
+with a ValueError before it reaches the core.
 """
 
 from __future__ import annotations
@@ -9,20 +11,35 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from asyncengine.client.tokenizer import Tokenizer
-from asyncengine.config import ModelConfig
+from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreRequest
+from asyncengine.request_limits import RequestLimits
 from asyncengine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
 
+@dataclass(slots=True)
+class ProcessedRequest:
+    """A request ready for the core: `core_requests` holds one EngineCoreRequest per sequence
+    (`params.n` of them); the rest is what the client keeps to shape its outputs."""
+
+    request_id: str
+    prompt: str | None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+
+
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
-        self.model_config = model_config
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The prompt's text (if given as text) and its token ids, validated."""
@@ -35,7 +52,7 @@ class InputProcessor:
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(cast("Sequence[int]", prompt))
             text = None
-            vocab = self.model_config.vocab_size
+            vocab = self.vocab_size
             bad = [
                 t for t in token_ids
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
@@ -51,12 +68,6 @@ class InputProcessor:
             )
         if not token_ids:
             raise ValueError("prompt is empty after tokenisation: give at least one token")
-        max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
-                f"it must be shorter, leaving room for at least one new token"
-            )
         return text, token_ids
 
     def process(
@@ -66,12 +77,14 @@ class InputProcessor:
         *,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> tuple[str, str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
-        """Validate and tokenise; one EngineCoreRequest per sequence (`n` of them)."""
+    ) -> ProcessedRequest:
+        """Validate and tokenise; ValueError naming what is wrong."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        else:
+            params.validate()  # again: a SamplingParams may have been changed since it was made
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
@@ -79,6 +92,7 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, not {priority!r}")
         text, token_ids = self.tokenize(prompt)
+        self.limits.check(request_id, len(token_ids), params)
         arrival = time.monotonic()
         core_requests = [
             EngineCoreRequest(
@@ -90,7 +104,17 @@ class InputProcessor:
             )
             for i, core_id in enumerate(sequence_ids(request_id, params.n))
         ]
-        return request_id, text, token_ids, params, core_requests
+        return ProcessedRequest(request_id, text, token_ids, params, core_requests)
+
+
+def request_limits(config: EngineConfig) -> RequestLimits:
+    """The limits of an engine whose core is ready (its config names the KV block count)."""
+    num_kv_blocks = config.cache_config.num_kv_blocks
+    if num_kv_blocks is None:
+        raise RuntimeError("the KV block count is known once the engine core is ready")
+    return RequestLimits(
+        config.model_config.max_model_len, config.cache_config.block_size, num_kv_blocks
+    )
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

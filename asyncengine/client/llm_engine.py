@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from asyncengine.client.input_processor import InputProcessor, Prompt
+from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
@@ -23,11 +23,13 @@ class LLMEngine:
         from asyncengine.core.engine_core import EngineCore, import_model_code
 
         self.tokenizer = Tokenizer(config.model_config.model)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         import_model_code(config, owns_process=False)
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
+        self.input_processor = InputProcessor(
+            self.tokenizer, config.model_config.vocab_size, request_limits(self.config)
+        )
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> LLMEngine:
@@ -43,22 +45,19 @@ class LLMEngine:
         """Validate and queue a request; returns its id. ValueError for a bad request."""
         if request_id is not None and request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request_id, text, token_ids, params, core_requests = self.input_processor.process(
+        request = self.input_processor.process(
             prompt, params, request_id=request_id, priority=priority
         )
         added: list[str] = []
         try:
-            for core_request in core_requests:
+            for core_request in request.core_requests:
                 self.engine_core.add_request(core_request)
                 added.append(core_request.request_id)
         except BaseException:
             self.engine_core.abort_requests(added)
             raise
-        state = self.output_processor.new_request_state(
-            request_id, text, token_ids, params, core_requests
-        )
-        self.output_processor.add_request(state)
-        return request_id
+        self.output_processor.add_request(request)
+        return request.request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))

@@ -12,13 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from asyncengine.client.detokenizer import IncrementalDetokenizer
+from asyncengine.client.input_processor import ProcessedRequest
 from asyncengine.client.tokenizer import Tokenizer
-from asyncengine.ipc.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    LogprobsEntry,
-)
+from asyncengine.ipc.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsEntry
 from asyncengine.outputs import (
     CompletionOutput,
     Logprob,
@@ -72,15 +68,18 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._sequences: dict[str, tuple[RequestState, SequenceState]] = {}  # by core id
 
-    def new_request_state(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        core_requests: list[EngineCoreRequest],
-    ) -> RequestState:
-        """The client-side state of a request whose sequences are `core_requests`."""
+    def add_request(self, request: ProcessedRequest) -> None:
+        """Track a request whose sequences the core is about to run; ValueError for an id
+        that is live already."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        state = self._new_request_state(request)
+        self.requests[state.request_id] = state
+        for seq in state.sequences:
+            self._sequences[seq.core_id] = (state, seq)
+
+    def _new_request_state(self, request: ProcessedRequest) -> RequestState:
+        params, prompt_token_ids = request.params, request.prompt_token_ids
         sequences = [
             SequenceState(
                 index=i,
@@ -88,19 +87,15 @@ class OutputProcessor:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
             )
-            for i, core_request in enumerate(core_requests)
+            for i, core_request in enumerate(request.core_requests)
         ]
         metrics = RequestMetrics(
-            arrival_time=core_requests[0].arrival_time, num_prompt_tokens=len(prompt_token_ids)
+            arrival_time=request.core_requests[0].arrival_time,
+            num_prompt_tokens=len(prompt_token_ids),
         )
-        return RequestState(request_id, prompt, prompt_token_ids, params, sequences, metrics)
-
-    def add_request(self, state: RequestState) -> None:
-        if state.request_id in self.requests:
-            raise ValueError(f"request_id {state.request_id!r} is already in use")
-        self.requests[state.request_id] = state
-        for seq in state.sequences:
-            self._sequences[seq.core_id] = (state, seq)
+        return RequestState(
+            request.request_id, request.prompt, prompt_token_ids, params, sequences, metrics
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

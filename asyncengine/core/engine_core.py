@@ -12,9 +12,9 @@ from collections.abc import Iterable
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.factory import executor_class
-from asyncengine.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from asyncengine.ipc.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from asyncengine.sched.kv_cache_manager import KVCacheManager
-from asyncengine.sched.scheduler import Scheduler, SchedulerStats
+from asyncengine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +22,11 @@ logger = logging.getLogger(__name__)
 def import_model_code(config: EngineConfig, *, owns_process: bool) -> None:
     """Import the model code that EngineCore(config) will run in this process, cheaply.
 
-    Most of an engine's start-up is importing torch and transformers; see
-    `asyncengine.model.loader.import_model_code` for what `owns_process` changes. A no-op when
-    tensor-parallel workers run the model in their own processes.
+    Most of an engine's start-up is importing torch and transformers; the executor knows
+    what runs in this process (`Executor.import_model_code`). `owns_process`: this process is
+    the engine's own (the spawned core), not an application's.
     """
-    if config.parallel_config.distributed_executor_backend == "uni":
-        from asyncengine.model.loader import import_model_code as import_into_this_process
-
-        import_into_this_process(config.model_config, freeze=owns_process)
+    executor_class(config).import_model_code(config, owns_process=owns_process)
 
 
 class EngineCore:
@@ -76,10 +73,12 @@ class EngineCore:
         outputs.timestamp = time.monotonic()
         return outputs
 
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def statistics(self) -> EngineStats:
+        """A frozen snapshot: queues, KV blocks, prefix-cache hits."""
+        return self.scheduler.statistics()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (blocks in use stay allocated); returns True."""
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:

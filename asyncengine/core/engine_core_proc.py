@@ -16,20 +16,19 @@ spawns the process, and the core imports the heavy parts only after saying HELLO
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-import msgspec
 import zmq
 
+from asyncengine.errors import describe_exception
 from asyncengine.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -48,9 +47,17 @@ from asyncengine.ipc.serial import (
     MalformedFrameError,
     MsgpackEncoder,
     RequestDecoder,
+    decode_config,
     handshake_decoder,
 )
 from asyncengine.ipc.sockets import make_socket
+from asyncengine.process_setup import (
+    hard_exit,
+    install_signal_handlers,
+    load_test_hooks,
+    skip_unused_packages,
+    start_parent_watch,
+)
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
@@ -60,9 +67,6 @@ logger = logging.getLogger(__name__)
 
 # The core waits this long for the client's addresses after saying HELLO.
 HANDSHAKE_TIMEOUT_S = 30.0
-# Test-only utility methods (fault injection) are refused unless this is "1" in the core's
-# environment.
-TEST_HOOKS_ENV = "ASYNCENGINE_ENABLE_TEST_HOOKS"
 _IO_POLL_MS = 100  # IO threads look at their stop flag this often
 _OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CORE_DEAD
 
@@ -88,7 +92,8 @@ class EngineCoreLoop:
         self.engine_core = engine_core
         self.emit = emit
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
-        self.test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+        # testing_* utility methods (fault injection), only where a test asked for them.
+        self.test_hooks = load_test_hooks("CORE_HOOKS")
         engine_core.executor.register_failure_callback(self._on_executor_failure)
 
     def _on_executor_failure(self) -> None:
@@ -149,8 +154,11 @@ class EngineCoreLoop:
     # ---- utility calls -------------------------------------------------------------------
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
-        method = getattr(self, f"_utility_{call.method}", None)
-        if method is None or (call.method.startswith("testing_") and not self.test_hooks):
+        method: Callable[..., Any] | None = getattr(self, f"_utility_{call.method}", None)
+        hook = self.test_hooks.get(call.method)
+        if hook is not None:
+            method = functools.partial(hook, self.engine_core)
+        if method is None:
             return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
         try:
             return UtilityResult(call.call_id, result=method(*call.args))
@@ -160,43 +168,11 @@ class EngineCoreLoop:
     def _utility_check_health(self) -> None:
         self.engine_core.executor.check_health()
 
-    def _utility_get_stats(self) -> EngineStats:
-        stats = self.engine_core.stats()
-        kv = stats.kv_cache
-        return EngineStats(
-            num_running_reqs=stats.num_running_reqs,
-            num_waiting_reqs=stats.num_waiting_reqs,
-            num_preemptions=stats.num_preemptions,
-            num_kv_blocks=kv.num_blocks,
-            num_free_kv_blocks=kv.num_free_blocks,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-        )
+    def _utility_statistics(self) -> EngineStats:
+        return self.engine_core.statistics()
 
     def _utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
-
-    # Test-only fault injection (refused unless ASYNCENGINE_ENABLE_TEST_HOOKS=1).
-
-    def _utility_testing_fail_next_step(self) -> None:
-        """The next execute_model raises, as a crashing model runner would."""
-        executor = self.engine_core.executor
-        original = executor.execute_model
-
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            executor.execute_model = original  # type: ignore[method-assign]
-            raise RuntimeError("injected model runner failure (test hook)")
-
-        executor.execute_model = failing  # type: ignore[method-assign]
-
-    def _utility_testing_collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call a worker method on every rank (e.g. the workers' own fault injection)."""
-        return self.engine_core.executor.collective_rpc(method, args=args, timeout=30.0)
-
-    def _utility_testing_notify_executor_failure(self) -> None:
-        """The executor reports a worker failure through its failure callbacks."""
-        self.engine_core.executor._notify_failure()
 
 
 # ---- the process ------------------------------------------------------------------------------
@@ -232,7 +208,7 @@ class EngineCoreProc:
             raise
         except BaseException as exc:
             logger.exception("engine core failed")
-            self.output_queue.put(EngineCoreOutputs(engine_dead=_describe(exc)))
+            self.output_queue.put(EngineCoreOutputs(engine_dead=describe_exception(exc)))
             raise
         finally:
             self._stop_input.set()
@@ -281,7 +257,7 @@ def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
     addresses (with a timeout), 5. build the EngineCore (READY, or FAILED with the root cause),
     6. serve until told to stop. Exits 0 on a clean shutdown, non-zero after a failure.
     """
-    _install_signal_handlers()
+    install_signal_handlers()
     _start_parent_watch()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     handshake = make_socket(ctx, handshake_address, zmq.DEALER, bind=False, linger_ms=2000)
@@ -298,18 +274,12 @@ def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
             engine_core = _build_engine_core(config)
             proc = EngineCoreProc(engine_core, ctx, addresses)
         except Exception as exc:
-            logger.error("engine core failed to start: %s", _describe(exc))
-            handshake.send(encoder.encode(HandshakeFailed(error=_describe(exc))))
+            reason = describe_exception(exc)
+            logger.error("engine core failed to start: %s", reason)
+            handshake.send(encoder.encode(HandshakeFailed(error=reason)))
             exit_code = 1
             return
-        handshake.send(
-            encoder.encode(
-                HandshakeReady(
-                    num_kv_blocks=engine_core.num_kv_blocks,
-                    max_model_len=engine_core.config.model_config.max_model_len,
-                )
-            )
-        )
+        handshake.send(encoder.encode(HandshakeReady(num_kv_blocks=engine_core.num_kv_blocks)))
         handshake.close()
         proc.run()
     except SystemExit as exc:
@@ -323,10 +293,7 @@ def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
         ctx.term()
     # Everything is shut down explicitly above; skip the interpreter's slow teardown of torch
     # (about a second), so that a shutdown takes milliseconds.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    hard_exit(exit_code)
 
 
 def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
@@ -340,11 +307,9 @@ def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
 
 def _prepare_process(config_msg: bytes) -> EngineConfig:
     """Decode the config and import the model code (this process is the engine's own)."""
-    from asyncengine.config import EngineConfig
     from asyncengine.core.engine_core import import_model_code
-    from asyncengine.executor.process_setup import skip_unused_packages
 
-    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
+    config = decode_config(config_msg)
     skip_unused_packages(config.model_config)
     import_model_code(config, owns_process=True)
     return config
@@ -356,39 +321,8 @@ def _build_engine_core(config: EngineConfig) -> EngineCore:
     return EngineCore(config)
 
 
-def encode_config(config: EngineConfig) -> bytes:
-    """The config as the spawned process receives it (msgpack, not pickle)."""
-    return msgspec.msgpack.encode(config)
-
-
-def _describe(exc: BaseException) -> str:
-    """The error and its root cause, with where the root cause was raised."""
-    root = exc
-    while root.__cause__ is not None or (
-        root.__context__ is not None and not root.__suppress_context__
-    ):
-        root = root.__cause__ or root.__context__  # type: ignore[assignment]
-    text = f"{type(exc).__name__}: {exc}"
-    if root is not exc:
-        text += f" (root cause: {type(root).__name__}: {root})"
-    frames = traceback.extract_tb(root.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" [at {os.path.basename(last.filename)}:{last.lineno} in {last.name}]"
-    return text
-
-
-def _install_signal_handlers() -> None:
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(f"signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
 def _start_parent_watch() -> None:
     """Exit when the parent dies: no orphaned engine cores."""
-    from asyncengine.executor.process_setup import start_parent_watch
 
     def on_death() -> None:
         logger.warning("the engine core's parent process died: shutting down")

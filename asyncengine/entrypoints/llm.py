@@ -11,6 +11,7 @@ from asyncengine.client.input_processor import Prompt
 from asyncengine.client.llm_engine import LLMEngine
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from asyncengine.ipc.messages import EngineStats
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -95,7 +96,12 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def statistics(self) -> EngineStats:
+        """A frozen snapshot: running/waiting requests, KV blocks used/total, prefix-cache hits."""
+        return self.engine.engine_core.statistics()
+
     def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's contents (blocks in use stay allocated); returns True."""
         return self.engine.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:

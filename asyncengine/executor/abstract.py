@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, Literal, overload
+from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -20,8 +19,6 @@ class Executor(ABC):
     failure callback once; the engine core uses that to poison its input queue.
     """
 
-    max_concurrent_batches: int = 1  # batches in flight at once; >1 needs non_block
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._failure_callbacks: list[FailureCallback] = []
@@ -32,6 +29,13 @@ class Executor(ABC):
     @abstractmethod
     def _init_executor(self) -> None:
         """Start the workers and load the model."""
+
+    @classmethod
+    def import_model_code(cls, config: EngineConfig, *, owns_process: bool) -> None:
+        """Import, before the executor is built, the model code it will run in the calling
+        process (`owns_process`: the engine owns that process). None by default: the model
+        runs in worker processes, which import it themselves."""
+        return None
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         if self.is_failed:
@@ -60,21 +64,9 @@ class Executor(ABC):
     ) -> list[Any]:
         """Call `method` on every worker; one result per worker, rank order."""
 
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
-    ) -> ModelRunnerOutput: ...
-
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
-    ) -> Future[ModelRunnerOutput]: ...
-
     @abstractmethod
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step; with non_block, return a Future of the result."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; rank 0's output."""
 
     def determine_num_kv_blocks(self) -> int:
         """The KV block count every worker can hold."""

@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -41,6 +40,7 @@ from asyncengine.executor.messages import (
 )
 from asyncengine.executor.worker_monitor import WorkerMonitor
 from asyncengine.executor.worker_proc import run_worker
+from asyncengine.ipc.serial import encode_config
 from asyncengine.ipc.sockets import (
     ipc_address,
     make_private_socket_dir,
@@ -77,7 +77,6 @@ class MultiprocExecutor(Executor):
         self._broken = False  # a step failed: the other ranks may never answer again
         self._procs: list[BaseProcess] = []
         self._monitor: WorkerMonitor | None = None
-        self._async_pool: ThreadPoolExecutor | None = None
         self._socket_dir = make_private_socket_dir()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
@@ -96,8 +95,6 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         """1. spawn the ranks, 2. HELLOs (rank 0 names the store port), 3. InitDistributed,
         4. WorkerReady from every rank (the model is loaded and sharded)."""
-        from asyncengine.core.engine_core_proc import encode_config
-
         config_msg = encode_config(self.config)
         spawn = multiprocessing.get_context("spawn")
         results_address = ipc_address(self._socket_dir, "results")
@@ -154,16 +151,7 @@ class MultiprocExecutor(Executor):
                 results[reply.rank] = reply.result
             return [results[rank] for rank in range(self.world_size)]
 
-    def execute_model(  # type: ignore[override]
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if not non_block:
-            return self._execute(scheduler_output)
-        if self._async_pool is None:
-            self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="ExecuteModel")
-        return self._async_pool.submit(self._execute, scheduler_output)
-
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with self._lock:
             step_id = self._new_id()
             self._broadcast(self._encoder.encode(ExecuteModel(step_id, scheduler_output)))
@@ -261,8 +249,6 @@ class MultiprocExecutor(Executor):
                 )
                 proc.kill()
                 proc.join(timeout=1.0)
-        if self._async_pool is not None:
-            self._async_pool.shutdown(wait=False, cancel_futures=True)
         for sock in (*self._inboxes, self._results):
             sock.close(linger=0)
         self._ctx.term()

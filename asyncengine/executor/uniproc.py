@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any
 
+from asyncengine.config import EngineConfig
 from asyncengine.executor.abstract import Executor
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    @classmethod
+    def import_model_code(cls, config: EngineConfig, *, owns_process: bool) -> None:
+        from asyncengine.model.loader import import_model_code
+
+        # The worker runs in this process: see import_model_code for what `freeze` does.
+        import_model_code(config.model_config, freeze=owns_process)
+
     def _init_executor(self) -> None:
         c = self.config
         self.worker = Worker(c.model_config, c.cache_config, c.device_config)
@@ -26,15 +33,8 @@ class UniProcExecutor(Executor):
         # In-process calls cannot time out usefully: the caller's thread is the worker's.
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
-    def execute_model(  # type: ignore[override]
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        output = self.worker.execute_model(scheduler_output)
-        if not non_block:
-            return output
-        future: Future[ModelRunnerOutput] = Future()
-        future.set_result(output)
-        return future
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         return None

@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import signal
-import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -31,15 +31,21 @@ from asyncengine.executor.messages import (
     WorkerReady,
     to_worker_decoder,
 )
-from asyncengine.executor.process_setup import start_parent_watch
+from asyncengine.ipc.serial import decode_config
 from asyncengine.ipc.sockets import make_socket
+from asyncengine.process_setup import (
+    hard_exit,
+    install_signal_handlers,
+    load_test_hooks,
+    skip_unused_packages,
+    start_parent_watch,
+)
 
 if TYPE_CHECKING:
     from asyncengine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-TEST_HOOKS_ENV = "ASYNCENGINE_ENABLE_TEST_HOOKS"
 LOG_LEVEL_ENV = "ASYNCENGINE_WORKER_LOG_LEVEL"
 _STARTUP_TIMEOUT_S = 120.0  # waiting for InitDistributed
 
@@ -49,7 +55,8 @@ def run_worker(
 ) -> None:
     """Entry point of a spawned worker process; exits 0 after Shutdown, 1 after a failure."""
     _setup_logging(rank)
-    _install_signal_handlers()
+    # Ctrl-C reaches the engine core too, which stops its workers in order.
+    install_signal_handlers(ignore_sigint=True)
     _start_parent_watch(rank)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     inbox = make_socket(ctx, to_worker, zmq.PULL, bind=False)
@@ -70,10 +77,7 @@ def run_worker(
         outbox.close()
         ctx.term()
     # The process group's teardown can block on dead peers; everything of ours is closed.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    hard_exit(exit_code)
 
 
 def _start(
@@ -84,10 +88,7 @@ def _start(
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
-    from asyncengine.config import EngineConfig
-    from asyncengine.executor.process_setup import skip_unused_packages
-
-    config = msgspec.msgpack.decode(config_msg, type=EngineConfig)
+    config = decode_config(config_msg)
     skip_unused_packages(config.model_config)
     from asyncengine.model.loader import import_model_code
 
@@ -133,7 +134,8 @@ def _serve(
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
 ) -> None:
-    test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+    # testing_* methods (fault injection), only where a test asked for them.
+    test_hooks = load_test_hooks("WORKER_HOOKS")
     buffer = bytearray()  # reused for every reply
     while True:
         message = to_worker_decoder.decode(inbox.recv(copy=False).buffer)
@@ -158,13 +160,16 @@ def _serve(
         outbox.send(buffer)
 
 
-def _rpc(worker: Worker, rank: int, call: RpcCall, test_hooks: bool) -> RpcResult | WorkerFailure:
-    method = getattr(worker, call.method, None)
-    if (
-        method is None
-        or call.method.startswith("_")
-        or (call.method.startswith("testing_") and not test_hooks)
-    ):
+def _rpc(
+    worker: Worker, rank: int, call: RpcCall, test_hooks: dict[str, Callable[..., Any]]
+) -> RpcResult | WorkerFailure:
+    method: Callable[..., Any] | None = None
+    hook = test_hooks.get(call.method)
+    if hook is not None:
+        method = functools.partial(hook, worker)
+    elif not call.method.startswith("_"):
+        method = getattr(worker, call.method, None)
+    if method is None:
         exc = AttributeError(f"the worker has no method {call.method!r}")
         return _failure(rank, call.call_id, exc)
     try:
@@ -189,14 +194,6 @@ def _setup_logging(rank: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get(LOG_LEVEL_ENV, "WARNING").upper())
-
-
-def _install_signal_handlers() -> None:
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(f"signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine core, which stops us
 
 
 def _start_parent_watch(rank: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import CoreSamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -29,7 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: CoreSamplingParams  # a SamplingParams, validated by the client
     arrival_time: float
     priority: int = 0
 
@@ -139,7 +139,6 @@ class HandshakeReady(msgspec.Struct, tag=True, gc=False):
     """Core → client: the model is loaded and the KV cache allocated; serving starts."""
 
     num_kv_blocks: int
-    max_model_len: int
 
 
 class HandshakeFailed(msgspec.Struct, tag=True, gc=False):

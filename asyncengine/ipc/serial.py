@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -86,3 +87,13 @@ outputs_decoder: msgspec.msgpack.Decoder[EngineCoreOutputs] = msgspec.msgpack.De
 handshake_decoder: msgspec.msgpack.Decoder[HandshakeMessage] = msgspec.msgpack.Decoder(
     HandshakeMessage  # type: ignore[arg-type]
 )
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as a process the engine spawns receives it (msgpack, not pickle)."""
+    return msgspec.msgpack.encode(config)
+
+
+def decode_config(config_msg: bytes) -> EngineConfig:
+    """The inverse of `encode_config`, in the spawned process."""
+    return msgspec.msgpack.decode(config_msg, type=EngineConfig)

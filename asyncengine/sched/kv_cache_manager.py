@@ -15,28 +15,10 @@ so equal hashes mean equal KV contents.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from hashlib import blake2b
 
 from asyncengine.sched.block_pool import BlockPool, KVCacheBlock
 from asyncengine.sched.request import Request
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheStats:
-    """A snapshot of KV cache usage and prefix-cache hits (counted in tokens)."""
-
-    num_blocks: int
-    num_free_blocks: int
-    usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-    @property
-    def hit_rate(self) -> float:
-        if self.prefix_cache_queries == 0:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -52,8 +34,6 @@ class KVCacheManager:
     """Allocates paged KV cache blocks to requests, with optional prefix caching."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,8 +43,9 @@ class KVCacheManager:
         # request_id -> how many of its leading blocks are registered in the prefix cache
         # (or were deliberately skipped), so each block is cached at most once.
         self.num_cached_blocks: dict[str, int] = {}
-        self._prefix_cache_queries = 0
-        self._prefix_cache_hits = 0
+        # Prefix-cache lookups, counted in tokens: looked up, and found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,8 +76,8 @@ class KVCacheManager:
                 break
             computed.append(block)
         num_computed_tokens = len(computed) * self.block_size
-        self._prefix_cache_queries += request.num_tokens
-        self._prefix_cache_hits += num_computed_tokens
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
         return computed, num_computed_tokens
 
     def allocate_slots(
@@ -161,15 +142,6 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; blocks in use stay allocated. Returns True."""
         return self.block_pool.reset_prefix_cache()
-
-    def stats(self) -> KVCacheStats:
-        return KVCacheStats(
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            usage=self.usage,
-            prefix_cache_queries=self._prefix_cache_queries,
-            prefix_cache_hits=self._prefix_cache_hits,
-        )
 
     def _check_computed_blocks(
         self,

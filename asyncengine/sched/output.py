@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncengine.ipc.messages import LogprobsEntry
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import CoreSamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -19,8 +19,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     token_ids: list[int]  # the prompt, plus outputs generated before a preemption
     num_prompt_tokens: int
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]
+    sampling_params: CoreSamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in the cache
 

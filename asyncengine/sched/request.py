@@ -6,30 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
-from asyncengine.sampling_params import SamplingParams
-
-
-def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
-    """The output budget: max_tokens, or what max_model_len leaves (if smaller or unset)."""
-    room = max_model_len - num_prompt_tokens
-    return room if params.max_tokens is None else min(params.max_tokens, room)
-
-
-def check_fits_kv_cache(
-    request_id: str,
-    num_prompt_tokens: int,
-    max_tokens: int,
-    block_size: int,
-    num_blocks: int,
-) -> None:
-    """ValueError when the request could outgrow the whole KV cache (it would never finish)."""
-    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
-    if needed > num_blocks:
-        raise ValueError(
-            f"request {request_id!r} may need {needed} KV blocks ({num_prompt_tokens} prompt + "
-            f"{max_tokens} new tokens) but the cache holds only {num_blocks}: lower max_tokens "
-            "or enlarge the KV cache"
-        )
+from asyncengine.sampling_params import CoreSamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,8 +22,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]
+    sampling_params: CoreSamplingParams
     arrival_time: float
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -61,16 +37,11 @@ class Request:
     max_tokens: int = 0  # output budget, resolved against max_model_len
 
     @classmethod
-    def from_core_request(
-        cls, req: EngineCoreRequest, eos_token_ids: tuple[int, ...], max_model_len: int
-    ) -> Request:
-        params = req.sampling_params
-        max_tokens = resolve_max_tokens(len(req.prompt_token_ids), params, max_model_len)
+    def from_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            sampling_params=params,
-            eos_token_ids=eos_token_ids,
+            sampling_params=req.sampling_params,
             arrival_time=req.arrival_time,
             priority=req.priority,
             all_token_ids=list(req.prompt_token_ids),

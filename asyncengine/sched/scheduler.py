@@ -9,34 +9,25 @@ policy's victim is preempted: its blocks are freed and it is recomputed later fr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStats,
     FinishReason,
 )
-from asyncengine.sched.kv_cache_manager import KVCacheManager, KVCacheStats
+from asyncengine.request_limits import RequestLimits
+from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from asyncengine.sched.request import Request, RequestStatus, check_fits_kv_cache
+from asyncengine.sched.request import Request, RequestStatus
 from asyncengine.sched.request_queue import make_request_queue
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot of the scheduler's queues and cache."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_preemptions: int
-    kv_cache: KVCacheStats
 
 
 class Scheduler:
@@ -48,8 +39,11 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
+        # The client checks the same limits; the core checks them again for any client.
+        self.limits = RequestLimits(
+            config.max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_blocks
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy, config.max_num_batched_tokens)
         self.running: list[Request] = []
@@ -62,21 +56,9 @@ class Scheduler:
         """Queue a validated request; ValueError if its id is live or it can never fit."""
         if core_request.request_id in self.requests:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
-        request = Request.from_core_request(
-            core_request, self.eos_token_ids, self.config.max_model_len
-        )
-        if request.max_tokens < 1:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
-                f"within max_model_len={self.config.max_model_len}"
-            )
-        check_fits_kv_cache(
-            request.request_id,
-            request.num_prompt_tokens,
-            request.max_tokens,
-            self.block_size,
-            self.kv_cache_manager.num_blocks,
-        )
+        request_id, params = core_request.request_id, core_request.sampling_params
+        max_tokens = self.limits.check(request_id, len(core_request.prompt_token_ids), params)
+        request = Request.from_core_request(core_request, max_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -166,7 +148,6 @@ class Scheduler:
                     token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=request.sampling_params,
-                    eos_token_ids=request.eos_token_ids,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_cached,
                 )
@@ -238,7 +219,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 request.finish_reason = FinishReason.STOP
                 return True
             if params.stop_token_ids and token_id in params.stop_token_ids:
@@ -252,12 +233,18 @@ class Scheduler:
 
     # ---- introspection -------------------------------------------------------------------
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def statistics(self) -> EngineStats:
+        """A frozen snapshot of the queues, the KV blocks and the prefix cache's hits."""
+        kv = self.kv_cache_manager
+        return EngineStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             num_preemptions=self.num_preemptions,
-            kv_cache=self.kv_cache_manager.stats(),
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )
 
     def reset_prefix_cache(self) -> bool:

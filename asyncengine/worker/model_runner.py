@@ -165,7 +165,7 @@ class ModelRunner:
                     params=new.sampling_params,
                     prompt_token_ids=tokens[: new.num_prompt_tokens],
                     output_token_ids=tokens[new.num_prompt_tokens :],
-                    eos_token_ids=new.eos_token_ids,
+                    eos_token_ids=self.model_config.eos_token_ids,
                 ),
             )
         for cached in scheduler_output.scheduled_cached_reqs:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import CoreSamplingParams
 
 # Temperatures below this are greedy, as in vLLM: dividing logits by a tiny temperature
 # overflows float32, and softmax of a row of infinities is NaN.
@@ -33,7 +33,7 @@ class SamplingRequestState:
     `min_tokens` count from its length.
     """
 
-    params: SamplingParams
+    params: CoreSamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()

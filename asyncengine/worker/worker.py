@@ -34,7 +34,6 @@ class Worker:
         self.device = device if device is not None else torch.device(device_config.device)
         torch.manual_seed(model_config.seed)
         self.model_runner = ModelRunner(model_config, cache_config, self.device, tp)
-        self._fail_next_step = False
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -67,9 +66,6 @@ class Worker:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._fail_next_step:
-            self._fail_next_step = False
-            raise RuntimeError(f"injected failure in worker rank {self.rank} (test hook)")
         return self.model_runner.execute_model(scheduler_output)
 
     def check_health(self) -> None:
@@ -77,17 +73,3 @@ class Worker:
 
     def pid(self) -> int:
         return os.getpid()
-
-    # Test-only fault injection; the executor refuses `testing_*` calls unless
-    # ASYNCENGINE_ENABLE_TEST_HOOKS=1.
-
-    def testing_fail_next_step(self, rank: int) -> None:
-        """The next execute_model on `rank` raises, as a crashing model would."""
-        if rank == self.rank:
-            self._fail_next_step = True
-
-    def testing_sleep(self, seconds: float) -> None:
-        """Block this worker, as a hung one would (for collective_rpc timeouts)."""
-        import time
-
-        time.sleep(seconds)

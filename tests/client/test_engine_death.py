@@ -14,8 +14,8 @@ from async_helpers import ENGINE_KW, assert_gone, child_pids
 
 from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
 from asyncengine.client.core_client import ProcCoreClient
-from asyncengine.core.engine_core_proc import TEST_HOOKS_ENV
 from asyncengine.ipc.messages import UtilityCall
+from asyncengine.testing import fault_injection
 from asyncengine.testing.streams import kill_while_streaming
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,7 +53,7 @@ async def test_sigkill_of_the_core_reaches_every_stream(tiny_llama: Path) -> Non
 async def test_injected_model_runner_failure_sends_engine_core_dead(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    monkeypatch.setenv(*fault_injection.ENV)
     async with AsyncLLM.from_pretrained(tiny_llama, **ENGINE_KW) as engine:
         client = engine._core_client
         assert isinstance(client, ProcCoreClient) and client.proc is not None
@@ -74,7 +74,7 @@ async def test_injected_model_runner_failure_sends_engine_core_dead(
 async def test_executor_failure_callback_kills_the_engine(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    monkeypatch.setenv(*fault_injection.ENV)
     async with AsyncLLM.from_pretrained(tiny_llama, core="thread", **ENGINE_KW) as engine:
         with anyio.fail_after(10):
             await engine._call_utility("testing_notify_executor_failure")
@@ -88,7 +88,7 @@ async def test_executor_failure_callback_kills_the_engine(
 async def test_thread_core_failure_reaches_every_stream(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    monkeypatch.setenv(*fault_injection.ENV)
     async with AsyncLLM.from_pretrained(tiny_llama, core="thread", **ENGINE_KW) as engine:
         client = engine._core_client
         assert client is not None
@@ -104,7 +104,7 @@ async def test_thread_core_failure_reaches_every_stream(
 async def test_test_hooks_are_refused_without_the_variable(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(TEST_HOOKS_ENV, raising=False)
+    monkeypatch.delenv(fault_injection.TEST_HOOKS_ENV, raising=False)
     async with AsyncLLM.from_pretrained(tiny_llama, core="thread", **ENGINE_KW) as engine:
         with pytest.raises(RuntimeError, match="unknown utility method"):
             await engine._call_utility("testing_fail_next_step")

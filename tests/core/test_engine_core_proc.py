@@ -21,7 +21,6 @@ import zmq
 
 from asyncengine import SamplingParams
 from asyncengine.core.engine_core_proc import (
-    TEST_HOOKS_ENV,
     EngineCoreLoop,
     EngineCoreProc,
     ExecutorFailedError,
@@ -43,8 +42,7 @@ from asyncengine.ipc.sockets import (
     make_socket,
     remove_socket_dir,
 )
-from asyncengine.sched.kv_cache_manager import KVCacheStats
-from asyncengine.sched.scheduler import SchedulerStats
+from asyncengine.testing import fault_injection
 
 
 class FakeExecutor:
@@ -103,15 +101,17 @@ class FakeEngineCore:
                 del self.remaining[req_id]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
-    def stats(self) -> SchedulerStats:
-        kv = KVCacheStats(
-            num_blocks=8,
-            num_free_blocks=8 - len(self.remaining),
-            usage=len(self.remaining) / 8,
+    def statistics(self) -> EngineStats:
+        return EngineStats(
+            num_running_reqs=len(self.remaining),
+            num_waiting_reqs=0,
+            num_preemptions=0,
+            num_kv_blocks=8,
+            num_free_kv_blocks=8 - len(self.remaining),
+            kv_cache_usage=len(self.remaining) / 8,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
         )
-        return SchedulerStats(len(self.remaining), 0, 0, kv)
 
     def reset_prefix_cache(self) -> bool:
         return True
@@ -199,7 +199,7 @@ def test_refused_request_is_finished_and_the_loop_goes_on(harness: LoopHarness) 
 
 def test_utility_calls_answer_with_result_or_error(harness: LoopHarness) -> None:
     harness.put(EngineCoreRequestType.UTILITY, UtilityCall(1, "check_health"))
-    harness.put(EngineCoreRequestType.UTILITY, UtilityCall(2, "get_stats"))
+    harness.put(EngineCoreRequestType.UTILITY, UtilityCall(2, "statistics"))
     harness.put(EngineCoreRequestType.UTILITY, UtilityCall(3, "no_such_method"))
     harness.put(EngineCoreRequestType.UTILITY, UtilityCall(4, "testing_fail_next_step"))
     harness.put(EngineCoreRequestType.UTILITY, UtilityCall(5, "__init__"))
@@ -228,7 +228,7 @@ def test_executor_failure_callback_stops_the_loop() -> None:
 def test_injected_model_runner_failure_raises_from_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    monkeypatch.setenv(*fault_injection.ENV)
     h = LoopHarness()
     h.put(EngineCoreRequestType.UTILITY, UtilityCall(1, "testing_fail_next_step"))
     h.put(EngineCoreRequestType.ADD, _request("a", 5))
@@ -317,7 +317,7 @@ def test_engine_core_dead_is_sent_when_the_executor_fails(proc_harness: ProcHarn
 def test_utility_round_trip_over_the_sockets(proc_harness: ProcHarness) -> None:
     enc = MsgpackEncoder()
     proc_harness.input.send_multipart(
-        encode_request(enc, EngineCoreRequestType.UTILITY, UtilityCall(9, "get_stats"))
+        encode_request(enc, EngineCoreRequestType.UTILITY, UtilityCall(9, "statistics"))
     )
     out = proc_harness.recv()
     assert out.utility_output is not None and out.utility_output.call_id == 9

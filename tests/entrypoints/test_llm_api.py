@@ -116,8 +116,8 @@ def test_stop_string_cuts_text_and_frees_the_request(llm: LLM) -> None:
         use_tqdm=False,
     )[0].outputs[0]
     assert kept.text == cut + stop
-    stats = llm.engine.engine_core.stats().kv_cache
-    assert stats.num_free_blocks == stats.num_blocks
+    stats = llm.statistics()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
 def test_logprobs_hold_the_sampled_token_and_top_n(llm: LLM) -> None:

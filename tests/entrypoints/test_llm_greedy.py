@@ -59,8 +59,8 @@ def _generate(
 
 
 def _assert_free(llm: LLM) -> None:
-    stats = llm.engine.engine_core.stats()
-    assert stats.kv_cache.num_free_blocks == stats.kv_cache.num_blocks
+    stats = llm.statistics()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
 
 
@@ -83,7 +83,7 @@ def test_greedy_matches_with_prefix_cache_hits(
     for _ in range(2):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref["shared"]
-    stats = llm.engine.engine_core.stats().kv_cache
+    stats = llm.statistics()
     assert stats.prefix_cache_hits > 0
     assert all(o.metrics is not None and o.metrics.num_cached_tokens >= 16 for o in outs)
     _assert_free(llm)
@@ -107,5 +107,5 @@ def test_greedy_matches_with_preemption(
     # 16 blocks of 16 tokens hold one 232-token sequence, not all eight prompts at once.
     got, llm = _generate(model_dir, _mixed_prompts(), num_kv_blocks=16, max_num_batched_tokens=64)
     assert got == ref["mixed"]
-    assert llm.engine.engine_core.stats().num_preemptions > 0
+    assert llm.statistics().num_preemptions > 0
     _assert_free(llm)

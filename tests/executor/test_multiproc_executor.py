@@ -16,8 +16,9 @@ from asyncengine.config import EngineConfig
 from asyncengine.executor.factory import executor_class
 from asyncengine.executor.multiproc import MultiprocExecutor, WorkerError
 from asyncengine.executor.uniproc import UniProcExecutor
-from asyncengine.executor.worker_proc import LOG_LEVEL_ENV, TEST_HOOKS_ENV
+from asyncengine.executor.worker_proc import LOG_LEVEL_ENV
 from asyncengine.testing import transformers_greedy
+from asyncengine.testing.fault_injection import ENV as HOOKS_ENV
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,8 +48,8 @@ def test_tp2_greedy_equals_tp1_and_transformers(
         try:
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
             results[tp] = [o.outputs[0].token_ids for o in outs]
-            stats = llm.engine.engine_core.stats()
-            assert stats.kv_cache.num_free_blocks == stats.kv_cache.num_blocks
+            stats = llm.statistics()
+            assert stats.num_free_kv_blocks == stats.num_kv_blocks
         finally:
             llm.shutdown()
     assert results[1] == expected
@@ -85,8 +86,9 @@ def test_backend_defaults_follow_the_tp_size(tiny_llama: Path) -> None:
 @pytest.fixture(scope="module")
 def executor(tiny_model_factory: Callable[..., Path]) -> Iterator[MultiprocExecutor]:
     # Workers inherit the environment at spawn: enable their fault-injection methods.
-    old = os.environ.get(TEST_HOOKS_ENV)
-    os.environ[TEST_HOOKS_ENV] = "1"
+    name, module = HOOKS_ENV
+    old = os.environ.get(name)
+    os.environ[name] = module
     config = EngineConfig.from_kwargs(
         tiny_model_factory("llama"), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64
     )
@@ -96,9 +98,9 @@ def executor(tiny_model_factory: Callable[..., Path]) -> Iterator[MultiprocExecu
     finally:
         ex.shutdown()
         if old is None:
-            os.environ.pop(TEST_HOOKS_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[TEST_HOOKS_ENV] = old
+            os.environ[name] = old
 
 
 def test_collective_rpc_answers_once_per_rank_in_order(executor: MultiprocExecutor) -> None:
@@ -146,10 +148,8 @@ def test_shutdown_stops_every_worker_and_logs_name_the_rank(
     assert not ex.is_failed  # an orderly shutdown is not a failure
 
 
-def test_execute_model_non_block_returns_a_future(executor: MultiprocExecutor) -> None:
+def test_execute_model_of_an_empty_step(executor: MultiprocExecutor) -> None:
     from asyncengine.sched.output import SchedulerOutput
 
     empty = SchedulerOutput([], [], {}, 0, [])
-    future = executor.execute_model(empty, non_block=True)
-    assert future.result(timeout=10).req_ids == []
     assert executor.execute_model(empty).req_ids == []

@@ -13,8 +13,8 @@ import pytest
 
 from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
 from asyncengine.client.core_client import ProcCoreClient
-from asyncengine.core.engine_core_proc import TEST_HOOKS_ENV
 from asyncengine.ipc.messages import UtilityCall
+from asyncengine.testing import fault_injection
 from asyncengine.testing.processes import assert_gone, child_pids
 from asyncengine.testing.streams import kill_while_streaming
 
@@ -51,7 +51,7 @@ async def test_sigkill_of_a_worker_reaches_every_stream(tiny_llama: Path) -> Non
 async def test_an_exception_in_a_worker_reaches_the_client(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(TEST_HOOKS_ENV, "1")  # inherited by the core and its workers
+    monkeypatch.setenv(*fault_injection.ENV)  # inherited by the core and its workers
     before = child_pids()
     async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
         client = engine._core_client

@@ -33,6 +33,7 @@ from asyncengine.ipc.serial import (
     outputs_decoder,
 )
 from asyncengine.ipc.sockets import make_private_socket_dir, remove_socket_dir
+from asyncengine.sampling_params import CoreSamplingParams
 
 REQUEST = EngineCoreRequest(
     request_id="r1",
@@ -48,7 +49,7 @@ REQUEST = EngineCoreRequest(
     [
         (EngineCoreRequestType.ADD, REQUEST),
         (EngineCoreRequestType.ABORT, ["a", "b#1"]),
-        (EngineCoreRequestType.UTILITY, UtilityCall(7, "get_stats")),
+        (EngineCoreRequestType.UTILITY, UtilityCall(7, "statistics")),
         (EngineCoreRequestType.UTILITY, UtilityCall(8, "reset_prefix_cache", [1, "x"])),
     ],
 )
@@ -57,7 +58,27 @@ def test_request_frames_round_trip(request_type: EngineCoreRequestType, payload:
     assert frames[0] == request_type.value and len(frames[0]) == 1
     decoded_type, decoded = RequestDecoder().decode(frames)
     assert decoded_type is request_type
-    assert decoded == payload
+    # The same fields; a request's SamplingParams arrives as the core's CoreSamplingParams.
+    assert msgspec.to_builtins(decoded) == msgspec.to_builtins(payload)
+
+
+def test_the_core_decodes_sampling_params_without_validating_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+    validate = SamplingParams.validate
+
+    def counting(self: SamplingParams) -> None:
+        nonlocal calls
+        calls += 1
+        validate(self)
+
+    monkeypatch.setattr(SamplingParams, "validate", counting)
+    frames = encode_request(MsgpackEncoder(), EngineCoreRequestType.ADD, REQUEST)
+    _, decoded = RequestDecoder().decode(frames)
+    assert calls == 0  # validated once, by the client, when it was built
+    assert type(decoded.sampling_params) is CoreSamplingParams
+    assert decoded.sampling_params.temperature == 0.5
 
 
 def test_outputs_round_trip_with_utility_result_and_engine_dead() -> None:
@@ -87,7 +108,7 @@ def test_handshake_messages_are_tagged() -> None:
     for message in (
         HandshakeHello(pid=42),
         HandshakeAddresses("ipc:///tmp/x/input", "ipc:///tmp/x/output"),
-        HandshakeReady(num_kv_blocks=10, max_model_len=256),
+        HandshakeReady(num_kv_blocks=10),
         HandshakeFailed(error="ValueError: no weights"),
     ):
         assert handshake_decoder.decode(enc.encode(message)) == message
@@ -121,12 +142,10 @@ MALFORMED = [
     [b"\x00", msgspec.msgpack.encode(["r1", [1, "x"], {}, 0.0])],  # a string token id
     [b"\x01", msgspec.msgpack.encode([1, 2])],  # ABORT of non-string ids
     [b"\x02", msgspec.msgpack.encode({"call_id": 1})],  # UTILITY of the wrong shape
-    # Sampling params that fail validation are refused at decoding, not later in the core.
-    [
-        b"\x00",
-        msgspec.msgpack.encode(["r1", [1], {"temperature": -1.0}, 0.0]),
-    ],
+    [b"\x00", msgspec.msgpack.encode(["r1", [1], {"temperature": "hot"}, 0.0])],  # wrong type
 ]
+# Values in range are the client's to check (SamplingParams.validate, at construction and at
+# generate()): the core trusts them rather than validating every request again.
 
 
 @pytest.mark.parametrize("frames", MALFORMED)
@@ -146,7 +165,7 @@ def test_nothing_is_pickled() -> None:
     import pickle
 
     with pytest.raises(MalformedFrameError):
-        RequestDecoder().decode([b"\x02", pickle.dumps(UtilityCall(1, "get_stats"))])
+        RequestDecoder().decode([b"\x02", pickle.dumps(UtilityCall(1, "statistics"))])
 
 
 def test_socket_dir_is_private() -> None:

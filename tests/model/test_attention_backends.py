@@ -51,7 +51,7 @@ def _engine_greedy(model_dir: Path, backend: str) -> list[list[list[int]]]:
     for _ in range(2):
         outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
         passes.append([o.outputs[0].token_ids for o in outs])
-    assert llm.engine.engine_core.stats().kv_cache.prefix_cache_hits > 0
+    assert llm.statistics().prefix_cache_hits > 0
     return passes
 
 

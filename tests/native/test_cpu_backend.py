@@ -60,7 +60,7 @@ def test_auto_on_cpu_uses_native_kernels_and_matches_transformers(
         outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert set(used) == {"cpu"}
-    assert llm.engine.engine_core.stats().kv_cache.prefix_cache_hits > 0
+    assert llm.statistics().prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3 also normalises q and k per head

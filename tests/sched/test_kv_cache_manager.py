@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 import asyncengine.sched.kv_cache_manager as kvm
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.block_pool import KVCacheBlock
-from asyncengine.sched.kv_cache_manager import KVCacheManager, KVCacheStats, hash_block_tokens
+from asyncengine.sched.kv_cache_manager import KVCacheManager, hash_block_tokens
 from asyncengine.sched.request import Request
 
 
@@ -27,7 +27,6 @@ def make_request(request_id: str, token_ids: list[int]) -> Request:
         request_id=request_id,
         prompt_token_ids=list(token_ids),
         sampling_params=SamplingParams(),
-        eos_token_ids=(),
         arrival_time=0.0,
         all_token_ids=list(token_ids),
     )
@@ -154,9 +153,7 @@ def test_shared_prefix_hits_and_shares_blocks() -> None:
     assert mgr.allocate_slots(b, 3, computed) == [3]
     assert mgr.get_block_ids("b") == [0, 1, 3]
     assert [blk.ref_cnt for blk in mgr.block_pool.blocks[:4]] == [2, 2, 1, 1]
-    stats = mgr.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (12 + 11, 8)
-    assert stats.hit_rate == pytest.approx(8 / 23)
+    assert (mgr.prefix_cache_queries, mgr.prefix_cache_hits) == (12 + 11, 8)
     mgr.free(a)
     mgr.free(b)
     assert mgr.num_free_blocks == 10
@@ -178,7 +175,7 @@ def test_prefix_caching_off() -> None:
     b = make_request("b", list(range(12)))
     assert mgr.get_computed_blocks(b) == ([], 0)
     assert mgr.block_pool.cached_block_hash_to_block == {}
-    assert mgr.stats().hit_rate == 0.0
+    assert mgr.prefix_cache_hits == 0  # and no hit rate: nothing is looked up
 
 
 def test_block_hashes_are_chained_and_computed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,17 +293,6 @@ def test_eviction_is_least_recently_freed_first() -> None:
     schedule(mgr, make_request("x", [7, 7, 7, 7]))
     assert mgr.get_computed_blocks(make_request("b2", [2, 2, 0]))[1] == 0
     assert mgr.get_computed_blocks(make_request("a2", [1, 1, 0]))[1] == 2
-
-
-def test_stats_snapshot() -> None:
-    mgr = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    stats = mgr.stats()
-    assert stats == KVCacheStats(
-        num_blocks=4, num_free_blocks=4, usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0
-    )
-    assert stats.hit_rate == 0.0
-    with pytest.raises(AttributeError):
-        stats.num_blocks = 5  # type: ignore[misc]
 
 
 # --- property test: random request lifecycles -------------------------------------------

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine.config import SchedulerConfig
-from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
+from asyncengine.ipc.messages import EngineCoreRequest, EngineStats, FinishReason
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -229,3 +230,31 @@ def test_sjf_preempts_the_latest_ranked_and_requeues_it() -> None:
     assert preempted == {"long"}
     assert finished == {"long", "short"}
     assert sched.kv_cache_manager.num_free_blocks == 7
+
+
+def test_statistics_is_a_frozen_snapshot_with_the_hit_rate() -> None:
+    sched = _make(num_blocks=10, budget=64, max_seqs=8, policy="fcfs", prefix=True)
+    assert sched.statistics() == EngineStats(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        num_preemptions=0,
+        num_kv_blocks=10,
+        num_free_kv_blocks=10,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
+    assert sched.statistics().prefix_cache_hit_rate == 0.0
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt = list(range(1, 13))  # three full blocks of 4
+    runner = FakeRunner(random.Random(0))
+    for rid in ("a", "b"):
+        sched.add_request(EngineCoreRequest(rid, prompt, params, 0.0))
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    stats = sched.statistics()
+    # b found a's first two blocks (the last one is recomputed for its logits).
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (12 + 12, 8)
+    assert stats.prefix_cache_hit_rate == pytest.approx(8 / 24)
+    with pytest.raises(AttributeError):
+        stats.num_kv_blocks = 5  # type: ignore[misc]

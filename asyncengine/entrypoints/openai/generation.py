@@ -18,8 +18,8 @@ import anyio
 from asyncengine.entrypoints.openai.errors import bad_request
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.outputs import RequestOutput
+from asyncengine.request_limits import RequestLimits
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.sched.request import check_fits_kv_cache, resolve_max_tokens
 
 # Called with (prompt index, DELTA output) for every output of every prompt.
 OnOutput = Callable[[int, RequestOutput], Awaitable[None]]
@@ -56,14 +56,9 @@ def check_prompt(
             f"{params.max_tokens} for the completion).",
             "max_tokens",
         )
+    limits = RequestLimits(max_len, cache_config.block_size, cache_config.num_kv_blocks or 0)
     try:
-        check_fits_kv_cache(
-            "this request",
-            num_tokens,
-            resolve_max_tokens(num_tokens, params, max_len),
-            cache_config.block_size,
-            cache_config.num_kv_blocks or 0,
-        )
+        limits.check("this request", num_tokens, params)
     except ValueError as exc:
         raise bad_request(str(exc), "max_tokens") from None
 

@@ -1,14 +1,22 @@
-"""Set-up shared by the processes the engine spawns (the engine core, tensor-parallel workers)."""
+"""Set-up shared by the processes the engine spawns (the engine core, tensor-parallel workers):
+what they import, how they take signals, how they notice their parent's death, how they exit.
+
+Only for processes the engine owns; never call these in an application's process.
+"""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, NoReturn
 
 from asyncengine.config import ModelConfig
 
@@ -70,3 +78,49 @@ def start_parent_watch(on_death: Callable[[], None], thread_name: str) -> None:
         on_death()
 
     threading.Thread(target=watch, name=thread_name, daemon=True).start()
+
+
+def install_signal_handlers(*, ignore_sigint: bool = False) -> None:
+    """SIGTERM (and SIGINT, unless ignored) raise SystemExit in the main thread, so the
+    process's `finally` blocks run and it shuts down cleanly.
+
+    Tensor-parallel workers ignore SIGINT: a Ctrl-C in a terminal reaches the whole process
+    group, and the engine core, which stops its workers in order, is the one to act on it.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else handler)
+
+
+def hard_exit(exit_code: int) -> NoReturn:
+    """Flush the logs and standard streams, then leave without the interpreter's teardown.
+
+    The caller has shut down everything it owns; what is left is torch's and the process
+    group's teardown, which takes about a second and can block on dead peers.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+# Names a module of test hooks (fault injection) for the engine's processes to load, e.g.
+# `asyncengine.testing.fault_injection`; the variable is inherited by every process spawned.
+TEST_HOOKS_ENV = "ASYNCENGINE_TEST_HOOKS"
+
+
+def load_test_hooks(table: str) -> dict[str, Callable[..., Any]]:
+    """The `testing_*` functions of the test-hooks module named by `$ASYNCENGINE_TEST_HOOKS`
+    (its dict attribute `table`), or none when the variable is unset: an engine in production
+    never has them. The engine knows no test code; tests choose what to load."""
+    module_name = os.environ.get(TEST_HOOKS_ENV)
+    if not module_name:
+        return {}
+    hooks = dict(getattr(importlib.import_module(module_name), table))
+    bad = sorted(name for name in hooks if not name.startswith("testing_"))
+    if bad:
+        raise ValueError(f"test hooks must be named testing_*: {bad} in {module_name}.{table}")
+    return hooks
