@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from asyncengine.errors import EngineDeadError, EngineStartupError, UnsupportedModelError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.version import __version__
 
 if TYPE_CHECKING:
     from asyncengine.client.async_llm import AsyncLLM
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from asyncengine.entrypoints.llm import LLM
     from asyncengine.ipc.messages import EngineStats
 
-__version__ = "0.1.0"
 
 __all__ = [
     "LLM",
@@ -31,6 +31,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "UnsupportedModelError",
+    "__version__",
 ]
 
 

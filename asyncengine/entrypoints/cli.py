@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncengine import __version__
 from asyncengine.errors import EngineStartupError
+from asyncengine.version import __version__
 
 # The questions `asyncengine demo` asks the default model.
 DEMO_QUESTIONS = (

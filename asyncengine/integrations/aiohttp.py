@@ -20,8 +20,8 @@ from aiohttp import web
 
 from asyncengine.client.async_llm import AsyncLLM
 from asyncengine.client.input_processor import Prompt
+from asyncengine.entrypoints.sse import DONE, delta_params, error_body, event, output_events
 from asyncengine.errors import EngineDeadError
-from asyncengine.integrations.sse import DONE, delta_params, error_body, event, output_events
 from asyncengine.sampling_params import SamplingParams
 
 ENGINE_KEY: web.AppKey[AsyncLLM] = web.AppKey("asyncengine.engine", AsyncLLM)
@@ -63,7 +63,7 @@ async def stream_generation(
     *,
     request_id: str | None = None,
 ) -> web.StreamResponse:
-    """Stream one generation to the client as server-sent events (see `integrations.sse`).
+    """Stream one generation to the client as server-sent events (see `entrypoints.sse`).
 
     The request is started before any header is sent, so a bad request is a 400 and a dead
     engine a 503 (JSON bodies). A client that goes away aborts the request at the next write.

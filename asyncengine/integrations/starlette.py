@@ -10,16 +10,46 @@ Open the engine in the app's lifespan (see docs/integrations.md), then:
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
+from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from asyncengine.client.async_llm import AsyncLLM
 from asyncengine.client.input_processor import Prompt
-from asyncengine.entrypoints.openai.sse import Emit, SSEResponse
+from asyncengine.entrypoints.sse import (
+    DONE,
+    SSE_HEADERS,
+    Emit,
+    delta_params,
+    error_body,
+    event,
+    output_events,
+    stream_until_disconnect,
+)
 from asyncengine.errors import EngineDeadError
-from asyncengine.integrations.sse import DONE, delta_params, error_body, event, output_events
 from asyncengine.sampling_params import SamplingParams
+
+
+class SSEResponse(Response):
+    """A `text/event-stream` response whose events come from `produce(emit)`; a client that
+    disconnects cancels `produce` at once (`entrypoints.sse.stream_until_disconnect`)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]]) -> None:
+        self.produce = produce
+        self.status_code = 200
+        self.background: BackgroundTask | None = None
+        self.init_headers(SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await stream_until_disconnect(self.produce, receive, send)
 
 
 async def stream_generation(
@@ -29,7 +59,7 @@ async def stream_generation(
     *,
     request_id: str | None = None,
 ) -> Response:
-    """A response streaming one generation as server-sent events (see `integrations.sse`).
+    """A response streaming one generation as server-sent events (see `entrypoints.sse`).
 
     The request is started before the response is returned, so a bad request is a 400 and a
     dead engine a 503 (JSON bodies). A client that disconnects aborts the request at once,

@@ -25,7 +25,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asyncengine import __version__
 from asyncengine.client.async_llm import AsyncLLM
 from asyncengine.entrypoints.openai.errors import OpenAIError
 from asyncengine.entrypoints.openai.metrics import CONTENT_TYPE
@@ -34,6 +33,7 @@ from asyncengine.entrypoints.openai.serving_chat import ChatServing
 from asyncengine.entrypoints.openai.serving_completion import CompletionServing
 from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
 from asyncengine.errors import EngineDeadError
+from asyncengine.version import __version__
 
 # A health check that takes longer than this reports the engine unhealthy (hung, or stuck in
 # a very long step).

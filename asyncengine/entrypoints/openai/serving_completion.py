@@ -32,9 +32,10 @@ from asyncengine.entrypoints.openai.protocol import (
     Usage,
     sampling_params,
 )
-from asyncengine.entrypoints.openai.sse import DONE, Emit, SSEResponse, call_until_disconnect
-from asyncengine.entrypoints.openai.sse import sse_event as _event
 from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
+from asyncengine.entrypoints.sse import event as _event
+from asyncengine.integrations.starlette import SSEResponse
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
