@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
+import select
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -59,22 +57,17 @@ def skip_unused_packages(model_config: ModelConfig) -> None:
 def start_parent_watch(on_death: Callable[[], None], thread_name: str) -> None:
     """Call `on_death` (in a daemon thread) once this process's parent has died.
 
-    No orphans (vLLM issue #55510's bug class): the parent's sentinel (a pipe from
-    multiprocessing's spawn) closes when it dies; a changed parent pid is the fallback check.
+    No orphans (vLLM issue #55510's bug class). The parent holds the write end of our stdin
+    (`ChildProcess`), so its death closes it: stdin reads end of file. A changed parent pid is
+    the fallback check, once a second. Call it after `child_process.read_payload()`.
     """
-    parent = multiprocessing.parent_process()
     parent_pid = os.getppid()
 
     def watch() -> None:
-        sentinel = parent.sentinel if parent is not None else None
-        while True:
-            if sentinel is not None:
-                if multiprocessing.connection.wait([sentinel], timeout=1.0):
-                    break
-            else:
-                time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                break
+        while os.getppid() == parent_pid:
+            readable, _, _ = select.select([sys.stdin.fileno()], [], [], 1.0)
+            if readable and not os.read(sys.stdin.fileno(), 4096):
+                break  # end of file: the parent is gone
         on_death()
 
     threading.Thread(target=watch, name=thread_name, daemon=True).start()

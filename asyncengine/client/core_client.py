@@ -1,7 +1,8 @@
 """EngineCoreClient: how AsyncLLM reaches its engine core, in another process or a thread.
 
-- ProcCoreClient: the core in a spawned process, over ZMQ (msgpack frames, ipc:// sockets in a
-  private 0700 directory). Sockets are driven from the event loop without zmq.asyncio, so every
+- ProcCoreClient: the core in its own process (`python -m asyncengine.core.engine_core_proc`,
+  a fresh interpreter: no entry-point guard needed), over ZMQ (msgpack frames, ipc:// sockets
+  in a private 0700 directory). Sockets are driven from the event loop without zmq.asyncio, so every
   anyio backend works: sends use NOBLOCK (a connecting PUSH socket queues, never blocks), and
   receives await `anyio.wait_readable` on the socket's edge-triggered FD.
 - ThreadCoreClient: the same busy loop (EngineCoreLoop) in a background thread of this process,
@@ -15,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -28,10 +28,11 @@ import anyio
 import msgspec
 import zmq
 
+from asyncengine.child_process import ChildProcess
 from asyncengine.config import EngineConfig
-from asyncengine.core.engine_core_proc import run_engine_core
 from asyncengine.errors import EngineStartupError, describe_exception
 from asyncengine.ipc.messages import (
+    EngineCoreLaunch,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -45,7 +46,6 @@ from asyncengine.ipc.messages import (
 from asyncengine.ipc.serial import (
     MsgpackEncoder,
     RequestPayload,
-    encode_config,
     encode_request,
     handshake_decoder,
     outputs_decoder,
@@ -114,7 +114,7 @@ class ProcCoreClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, startup_timeout: float) -> None:
         self.config = config
         self.startup_timeout = startup_timeout
-        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.proc: ChildProcess | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket_dir = make_private_socket_dir()
         self._handshake_address = ipc_address(self._socket_dir, "handshake")
@@ -149,16 +149,16 @@ class ProcCoreClient(EngineCoreClient):
             raise
 
     async def _launch(self) -> None:
-        """Bind the handshake and output sockets, then spawn the core (once)."""
+        """Bind the handshake and output sockets, then start the core's process (once)."""
         if self.proc is not None:
             return
         self._deadline = time.monotonic() + self.startup_timeout
         self._handshake = make_socket(self._ctx, self._handshake_address, zmq.ROUTER, bind=True)
         self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
-        spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(encode_config(self.config), self._handshake_address),
+        launch = EngineCoreLaunch(self.config, self._handshake_address)
+        self.proc = ChildProcess(
+            "asyncengine.core.engine_core_proc",
+            self._encoder.encode(launch),
             name="AsyncEngineCore",
         )
         await anyio.to_thread.run_sync(self.proc.start)
@@ -295,7 +295,7 @@ def _decode_outputs(frames: list[bytes]) -> list[EngineCoreOutputs]:
     return decoded
 
 
-def _stop_process_tree(proc: multiprocessing.process.BaseProcess) -> None:
+def _stop_process_tree(proc: ChildProcess) -> None:
     """terminate → join (5 s) → kill, for the core and every process it started."""
     import psutil
 
@@ -315,9 +315,10 @@ def _stop_process_tree(proc: multiprocessing.process.BaseProcess) -> None:
             child.kill()
     psutil.wait_procs(children, timeout=_SHUTDOWN_JOIN_S)
     proc.join(timeout=0)
+    proc.close()
 
 
-def _exit_desc(proc: multiprocessing.process.BaseProcess) -> str:
+def _exit_desc(proc: ChildProcess) -> str:
     code = proc.exitcode
     if code is None:
         return "still running"

@@ -1,4 +1,8 @@
-"""The engine core's busy loop, served from a spawned process (or a thread of the client).
+"""The engine core's busy loop, served from its own process (or a thread of the client).
+
+The process is `python -m asyncengine.core.engine_core_proc`, started by the client as a
+`ChildProcess` with its config on stdin: a fresh interpreter that never imports the
+application's `__main__`.
 
 In the process, three threads share the work, so the loop never waits on a socket:
 
@@ -10,8 +14,8 @@ The executor's failure callback puts EXECUTOR_FAILED on input_queue; the loop ra
 output thread sends ENGINE_CORE_DEAD (`EngineCoreOutputs.engine_dead`), and the process exits
 non-zero. SIGTERM and SIGINT shut it down cleanly; so does the death of its parent.
 
-This module imports no torch at the top: the client references `run_engine_core` when it
-spawns the process, and the core imports the heavy parts only after saying HELLO.
+This module imports no torch at the top: the core imports the heavy parts only after saying
+HELLO, so the client gets its first sign of life at once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
+from asyncengine.child_process import read_payload
 from asyncengine.errors import describe_exception
 from asyncengine.ipc.messages import (
     EngineCoreOutput,
@@ -47,8 +52,8 @@ from asyncengine.ipc.serial import (
     MalformedFrameError,
     MsgpackEncoder,
     RequestDecoder,
-    decode_config,
     handshake_decoder,
+    launch_decoder,
 )
 from asyncengine.ipc.sockets import make_socket
 from asyncengine.process_setup import (
@@ -250,8 +255,15 @@ class EngineCoreProc:
             sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out
 
 
-def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
-    """Entry point of the spawned engine-core process.
+def main() -> None:
+    """`python -m asyncengine.core.engine_core_proc`: the launch arguments from stdin, then
+    the engine core until it is told to stop."""
+    launch = launch_decoder.decode(read_payload())
+    run_engine_core(launch.config, launch.handshake_address)
+
+
+def run_engine_core(config: EngineConfig, handshake_address: str) -> None:
+    """The engine-core process's body (never returns: it exits).
 
     1. signals and the parent watch, 2. HELLO, 3. import the model code, 4. the client's
     addresses (with a timeout), 5. build the EngineCore (READY, or FAILED with the root cause),
@@ -269,7 +281,7 @@ def run_engine_core(config_msg: bytes, handshake_address: str) -> None:
         try:
             # The imports (most of the start-up) come before the addresses: the client loads
             # its tokenizer meanwhile and answers HELLO afterwards.
-            config = _prepare_process(config_msg)
+            _prepare_process(config)
             addresses = _receive_addresses(handshake)
             engine_core = _build_engine_core(config)
             proc = EngineCoreProc(engine_core, ctx, addresses)
@@ -305,14 +317,12 @@ def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
     return message
 
 
-def _prepare_process(config_msg: bytes) -> EngineConfig:
-    """Decode the config and import the model code (this process is the engine's own)."""
+def _prepare_process(config: EngineConfig) -> None:
+    """Import the model code (this process is the engine's own)."""
     from asyncengine.core.engine_core import import_model_code
 
-    config = decode_config(config_msg)
     skip_unused_packages(config.model_config)
     import_model_code(config, owns_process=True)
-    return config
 
 
 def _build_engine_core(config: EngineConfig) -> EngineCore:
@@ -331,3 +341,7 @@ def _start_parent_watch() -> None:
         os._exit(1)  # ...or, if it hangs, none
 
     start_parent_watch(on_death, "EngineCoreParentWatch")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,21 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.config import EngineConfig
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerLaunch(msgspec.Struct, gc=False):
+    """Executor → worker process, on its stdin at start: who it is and where to talk."""
+
+    rank: int
+    world_size: int
+    config: EngineConfig
+    to_worker: str  # the address of its inbox (executor → worker)
+    from_worker: str  # the address of the executor's results socket
+
+
+worker_launch_decoder: msgspec.msgpack.Decoder[WorkerLaunch] = msgspec.msgpack.Decoder(WorkerLaunch)
 
 
 class InitDistributed(msgspec.Struct, tag=True, array_like=True):

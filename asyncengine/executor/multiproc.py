@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import threading
 import time
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
 import zmq
 
+from asyncengine.child_process import ChildProcess
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.messages import (
     ExecuteModel,
@@ -35,12 +34,11 @@ from asyncengine.executor.messages import (
     Shutdown,
     WorkerFailure,
     WorkerHello,
+    WorkerLaunch,
     WorkerReady,
     from_worker_decoder,
 )
 from asyncengine.executor.worker_monitor import WorkerMonitor
-from asyncengine.executor.worker_proc import run_worker
-from asyncengine.ipc.serial import encode_config
 from asyncengine.ipc.sockets import (
     ipc_address,
     make_private_socket_dir,
@@ -75,7 +73,7 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._death: str | None = None
         self._broken = False  # a step failed: the other ranks may never answer again
-        self._procs: list[BaseProcess] = []
+        self._procs: list[ChildProcess] = []
         self._monitor: WorkerMonitor | None = None
         self._socket_dir = make_private_socket_dir()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -93,20 +91,20 @@ class MultiprocExecutor(Executor):
     # ---- startup -------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        """1. spawn the ranks, 2. HELLOs (rank 0 names the store port), 3. InitDistributed,
-        4. WorkerReady from every rank (the model is loaded and sharded)."""
-        config_msg = encode_config(self.config)
-        spawn = multiprocessing.get_context("spawn")
+        """1. start the ranks' processes, 2. HELLOs (rank 0 names the store port),
+        3. InitDistributed, 4. WorkerReady from every rank (the model is loaded and sharded).
+
+        Each rank is a fresh interpreter (`python -m asyncengine.executor.worker_proc`) that
+        exits when its owner does, even one that never calls shutdown() (its stdin closes)."""
         results_address = ipc_address(self._socket_dir, "results")
         for rank in range(self.world_size):
             address = ipc_address(self._socket_dir, f"worker-{rank}")
             self._inboxes.append(make_socket(self._ctx, address, zmq.PUSH, bind=True))
-            proc = spawn.Process(
-                target=run_worker,
-                args=(rank, self.world_size, config_msg, address, results_address),
+            launch = WorkerLaunch(rank, self.world_size, self.config, address, results_address)
+            proc = ChildProcess(
+                "asyncengine.executor.worker_proc",
+                self._encoder.encode(launch),
                 name=f"AsyncEngineWorker-{rank}",
-                # daemon: if the owner exits without shutdown(), multiprocessing still stops us.
-                daemon=True,
             )
             proc.start()
             self._procs.append(proc)
@@ -249,6 +247,8 @@ class MultiprocExecutor(Executor):
                 )
                 proc.kill()
                 proc.join(timeout=1.0)
+        for proc in self._procs:
+            proc.close()
         for sock in (*self._inboxes, self._results):
             sock.close(linger=0)
         self._ctx.term()

@@ -11,13 +11,14 @@ import multiprocessing.connection
 import os
 import threading
 from collections.abc import Callable, Sequence
-from multiprocessing.process import BaseProcess
+
+from asyncengine.child_process import ChildProcess
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerMonitor:
-    def __init__(self, procs: Sequence[BaseProcess], on_failure: Callable[[str], None]) -> None:
+    def __init__(self, procs: Sequence[ChildProcess], on_failure: Callable[[str], None]) -> None:
         self._procs = list(procs)
         self._on_failure = on_failure
         # Writing to this pipe wakes the thread for a shutdown.

@@ -1,4 +1,7 @@
-"""The body of one tensor-parallel worker process, spawned by MultiprocExecutor.
+"""The body of one tensor-parallel worker process, started by MultiprocExecutor.
+
+The process is `python -m asyncengine.executor.worker_proc` (a `ChildProcess`, its launch
+arguments on stdin): a fresh interpreter that never imports the application's `__main__`.
 
 1. signals, the parent watch and a log prefix naming the rank and pid;
 2. connect to the executor, say WorkerHello (rank 0 first opens the rendezvous store);
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from asyncengine.child_process import read_payload
 from asyncengine.executor.messages import (
     ExecuteModel,
     ExecuteResult,
@@ -30,8 +34,8 @@ from asyncengine.executor.messages import (
     WorkerHello,
     WorkerReady,
     to_worker_decoder,
+    worker_launch_decoder,
 )
-from asyncengine.ipc.serial import decode_config
 from asyncengine.ipc.sockets import make_socket
 from asyncengine.process_setup import (
     hard_exit,
@@ -42,6 +46,7 @@ from asyncengine.process_setup import (
 )
 
 if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
     from asyncengine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -50,10 +55,17 @@ LOG_LEVEL_ENV = "ASYNCENGINE_WORKER_LOG_LEVEL"
 _STARTUP_TIMEOUT_S = 120.0  # waiting for InitDistributed
 
 
+def main() -> None:
+    """`python -m asyncengine.executor.worker_proc`: the launch arguments from stdin, then
+    the worker until Shutdown."""
+    launch = worker_launch_decoder.decode(read_payload())
+    run_worker(launch.rank, launch.world_size, launch.config, launch.to_worker, launch.from_worker)
+
+
 def run_worker(
-    rank: int, world_size: int, config_msg: bytes, to_worker: str, from_worker: str
+    rank: int, world_size: int, config: EngineConfig, to_worker: str, from_worker: str
 ) -> None:
-    """Entry point of a spawned worker process; exits 0 after Shutdown, 1 after a failure."""
+    """The worker process's body; exits 0 after Shutdown, 1 after a failure."""
     _setup_logging(rank)
     # Ctrl-C reaches the engine core too, which stops its workers in order.
     install_signal_handlers(ignore_sigint=True)
@@ -64,7 +76,7 @@ def run_worker(
     encoder = msgspec.msgpack.Encoder()
     exit_code = 0
     try:
-        worker = _start(rank, world_size, config_msg, inbox, outbox, encoder)
+        worker = _start(rank, world_size, config, inbox, outbox, encoder)
         _serve(worker, rank, inbox, outbox, encoder)
     except SystemExit as exc:
         logger.info("worker shutting down (%s)", exc)
@@ -83,12 +95,11 @@ def run_worker(
 def _start(
     rank: int,
     world_size: int,
-    config_msg: bytes,
+    config: EngineConfig,
     inbox: zmq.Socket[bytes],
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
-    config = decode_config(config_msg)
     skip_unused_packages(config.model_config)
     from asyncengine.model.loader import import_model_code
 
@@ -204,3 +215,7 @@ def _start_parent_watch(rank: int) -> None:
         os._exit(1)  # a worker holds nothing that needs a clean shutdown
 
     start_parent_watch(on_death, f"WorkerParentWatch-{rank}")
+
+
+if __name__ == "__main__":
+    main()

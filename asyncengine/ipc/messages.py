@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.config import EngineConfig
 from asyncengine.sampling_params import CoreSamplingParams
 
 
@@ -119,7 +120,15 @@ class EngineCoreRequestType(bytes, enum.Enum):
     EXECUTOR_FAILED = b"\x03"
 
 
-# ---- startup handshake (a ROUTER socket bound by the client, a DEALER in the core) -----------
+# ---- startup: the launch arguments (on the core's stdin), then a handshake over a ROUTER
+# socket bound by the client and a DEALER in the core ------------------------------------------
+
+
+class EngineCoreLaunch(msgspec.Struct, gc=False):
+    """Client → core process, on its stdin at start: its config and where to say HELLO."""
+
+    config: EngineConfig
+    handshake_address: str
 
 
 class HandshakeHello(msgspec.Struct, tag=True, gc=False):

@@ -14,6 +14,7 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import (
+    EngineCoreLaunch,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -83,6 +84,9 @@ def encode_request(
 
 outputs_decoder: msgspec.msgpack.Decoder[EngineCoreOutputs] = msgspec.msgpack.Decoder(
     EngineCoreOutputs
+)
+launch_decoder: msgspec.msgpack.Decoder[EngineCoreLaunch] = msgspec.msgpack.Decoder(
+    EngineCoreLaunch
 )
 handshake_decoder: msgspec.msgpack.Decoder[HandshakeMessage] = msgspec.msgpack.Decoder(
     HandshakeMessage  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def make_app(model: str, **engine_options: Any) -> FastAPI:
     return app
 
 
-if __name__ == "__main__":  # required: the engine core is started with `spawn`
+if __name__ == "__main__":  # only so that importing this module does not start a server
     import uvicorn
 
     uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=8000)
