@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncengine.errors import EngineDeadError, EngineStartupError, UnsupportedModelError
+from asyncengine.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    EngineStartupError,
+    UnsupportedModelError,
+)
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.version import __version__
@@ -25,6 +31,8 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "EngineDrainingError",
+    "EngineOverloadedError",
     "EngineStartupError",
     "EngineStats",
     "RequestOutput",

@@ -67,6 +67,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str  # fcfs | priority | sjf (sched/request_queue.py)
+    # AsyncLLM refuses a new request (EngineOverloadedError) while this many have produced no
+    # output yet (waiting in the core, or in their prefill).
+    max_queued_requests: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
+        max_queued_requests: int = 4096,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         attention_backend: str = "auto",
@@ -125,6 +129,7 @@ class EngineConfig:
             ("block_size", block_size, 1),
             ("max_num_seqs", max_num_seqs, 1),
             ("max_num_batched_tokens", max_num_batched_tokens, 1),
+            ("max_queued_requests", max_queued_requests, 1),
         ):
             _check_int(name, value, low)
         if block_size & (block_size - 1) or block_size > 256:
@@ -205,6 +210,7 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 policy=scheduling_policy,
+                max_queued_requests=max_queued_requests,
             ),
             device_config=DeviceConfig(device=resolved_device),
             parallel_config=ParallelConfig(

@@ -14,6 +14,15 @@ class EngineStartupError(RuntimeError):
     """The engine core failed to start; the message carries the root cause."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """`max_queued_requests` requests already wait: this one is refused, at once. Retry later
+    (the server answers 503 with Retry-After)."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is draining (`AsyncLLM.drain()`): it takes no new requests until closed."""
+
+
 class UnsupportedModelError(ValueError):
     """The model's architecture cannot be served by asyncengine."""
 

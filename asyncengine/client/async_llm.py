@@ -29,7 +29,7 @@ from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
 from asyncengine.ipc.messages import EngineCoreOutputs, EngineStats, UtilityCall, UtilityResult
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -50,10 +50,12 @@ class _UtilityWaiter:
 
 @dataclass(slots=True)
 class _State:
-    """Where the engine is in its life: new → running → (dead) → closed."""
+    """Where the engine is in its life: new → running → (draining) → (dead) → closed."""
 
     started: bool = False
     closing: bool = False
+    draining: bool = False
+    idle: anyio.Event | None = None  # while draining: set once no stream is left
     dead_error: EngineDeadError | None = None
     streams: dict[str, RequestStream] = field(default_factory=dict)
     utility_waiters: dict[int, _UtilityWaiter] = field(default_factory=dict)
@@ -195,7 +197,9 @@ class AsyncLLM:
         Leaving the iterator early — break, cancellation, an exception — aborts the request in
         the core and frees its KV blocks (use `contextlib.aclosing` to make that immediate on
         `break`). ValueError for a bad request or a live duplicate `request_id`;
-        EngineDeadError if the engine is gone, or dies meanwhile.
+        EngineOverloadedError when `max_queued_requests` requests wait already;
+        EngineDrainingError after `drain()`; EngineDeadError if the engine is gone, or dies
+        meanwhile.
         """
         stream = self._add_request(prompt, params, request_id, priority)
         try:
@@ -212,10 +216,18 @@ class AsyncLLM:
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int
     ) -> RequestStream:
         self._check_running()
+        if self._state.draining:
+            raise EngineDrainingError("the engine is draining: it takes no new requests")
         ip, op, client = self._input_processor, self._output_processor, self._core_client
         assert ip is not None and op is not None and client is not None
         if request_id is not None and request_id in op.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        limit = self._config.scheduler_config.max_queued_requests
+        if op.num_queued >= limit:
+            raise EngineOverloadedError(
+                f"{op.num_queued} requests already wait for their first output "
+                f"(max_queued_requests={limit}): retry later"
+            )
         # Every check happens here (the core would refuse too, but asynchronously).
         request = ip.process(prompt, params, request_id=request_id, priority=priority)
         op.add_request(request)
@@ -224,6 +236,40 @@ class AsyncLLM:
         for core_request in request.core_requests:
             client.add_request_nowait(core_request)
         return stream
+
+    async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Stop admitting requests and let those in flight finish.
+
+        From the call on, `generate()` raises EngineDrainingError; the engine stays closed to
+        new requests until it is closed. Returns once every request in flight has finished;
+        past `timeout` seconds (None: no limit), aborts what is left: those streams end with
+        finish_reason "abort". EngineDeadError if the engine is dead or closed. (The timeout
+        is what drain does at its end, not a deadline on the call, hence a parameter.)
+        """
+        state = self._state
+        if state.dead_error is not None or state.closing:
+            self._check_running()
+        state.draining = True
+        if state.idle is None:
+            state.idle = anyio.Event()
+        self._note_if_idle()
+        with anyio.move_on_after(timeout):
+            await state.idle.wait()
+        left = list(state.streams)
+        for request_id in left:
+            self.abort(request_id)
+        if left:
+            logger.warning("drain: aborted %d request(s) still running", len(left))
+
+    @property
+    def is_draining(self) -> bool:
+        """True once `drain()` was called: new requests are refused."""
+        return self._state.draining
+
+    def _note_if_idle(self) -> None:
+        state = self._state
+        if state.idle is not None and not state.streams:
+            state.idle.set()
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort". Unknown ids: no-op."""
@@ -238,6 +284,7 @@ class AsyncLLM:
 
     def _abort_nowait(self, request_id: str) -> None:
         self._state.streams.pop(request_id, None)
+        self._note_if_idle()
         op, client = self._output_processor, self._core_client
         if op is None or client is None:
             return
@@ -366,6 +413,7 @@ class AsyncLLM:
                 stream.put(output)
                 if output.finished:
                     del streams[output.request_id]
+                    self._note_if_idle()
         if processed.core_ids_to_abort:  # stop strings: the core still runs these sequences
             client.abort_requests_nowait(processed.core_ids_to_abort)
 
@@ -399,6 +447,7 @@ class AsyncLLM:
         for stream in self._state.streams.values():
             stream.put_dead(reason)
         self._state.streams.clear()
+        self._note_if_idle()
         for waiter in self._state.utility_waiters.values():
             if waiter.result is None:  # an answer that arrived before the death stands
                 waiter.dead = reason

@@ -50,6 +50,7 @@ class RequestState:
     params: SamplingParams
     sequences: list[SequenceState]
     metrics: RequestMetrics
+    queued: bool = True  # no output from the core yet: waiting, or in its prefill
 
     @property
     def finished(self) -> bool:
@@ -67,6 +68,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._sequences: dict[str, tuple[RequestState, SequenceState]] = {}  # by core id
+        self.num_queued = 0  # requests with no output from the core yet (see RequestState)
 
     def add_request(self, request: ProcessedRequest) -> None:
         """Track a request whose sequences the core is about to run; ValueError for an id
@@ -75,6 +77,7 @@ class OutputProcessor:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         state = self._new_request_state(request)
         self.requests[state.request_id] = state
+        self.num_queued += 1
         for seq in state.sequences:
             self._sequences[seq.core_id] = (state, seq)
 
@@ -107,6 +110,7 @@ class OutputProcessor:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
+            self._dequeue(state)
             for seq in state.sequences:
                 if self._sequences.pop(seq.core_id, None) is not None:
                     core_ids.append(seq.core_id)
@@ -140,6 +144,7 @@ class OutputProcessor:
 
         request_outputs: list[RequestOutput] = []
         for state, changed in touched.values():
+            self._dequeue(state)
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
@@ -148,6 +153,11 @@ class OutputProcessor:
             if request_output is not None:
                 request_outputs.append(request_output)
         return ProcessedOutputs(request_outputs, to_abort)
+
+    def _dequeue(self, state: RequestState) -> None:
+        if state.queued:
+            state.queued = False
+            self.num_queued -= 1
 
     def _apply(
         self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float

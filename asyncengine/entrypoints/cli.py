@@ -54,6 +54,10 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                  help="order of the waiting queue: first come first served, "
                                       "by request priority, or shortest prompt first "
                                       "(default: fcfs)")),
+    ("--max-queued-requests", dict(dest="max_queued_requests", type=int, metavar="N",
+                                   help="requests that may wait for their first output before "
+                                        "new ones are refused (503 when serving; "
+                                        "default: 4096)")),
     ("--seed", dict(dest="seed", type=int, metavar="S",
                     help="random seed of the engine, and of the request in `generate` "
                          "(default: 0)")),
@@ -148,9 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients ask for (default: MODEL as given)")  # fmt: skip
     serve.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
                        help="larger request bodies get 413 (default: 8 MiB)")  # fmt: skip
-    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+    # The server's DEFAULT_DRAIN_TIMEOUT_S (not imported: it would import uvicorn here).
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, seconds to let requests in flight finish before "
-                            "aborting them (default: 5)")  # fmt: skip
+                            "aborting them (default: 30)")  # fmt: skip
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="uvicorn's log level (default: info)")  # fmt: skip

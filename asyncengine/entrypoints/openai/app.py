@@ -191,7 +191,12 @@ def _json(content: object) -> Response:
 
 
 def _error_response(error: OpenAIError) -> Response:
-    return Response(error.json(), status_code=error.status, media_type="application/json")
+    return Response(
+        error.json(),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
+    )
 
 
 async def _openai_error(request: Request, exc: Exception) -> Response:

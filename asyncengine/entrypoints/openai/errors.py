@@ -12,7 +12,7 @@ from http import HTTPStatus
 
 import msgspec
 
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,18 @@ _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
 class OpenAIError(Exception):
     """A request that ends in an error response: status, message and the offending parameter."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers  # extra response headers (Retry-After on a 503)
 
     def body(self) -> dict[str, object]:
         error_type = _ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase.replace(" ", ""))
@@ -100,6 +107,11 @@ def error_for(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is dead: {exc}")
+    if isinstance(exc, EngineOverloadedError):
+        # Requests leave the queue in seconds at most: a client that waits one retries well.
+        return OpenAIError(503, f"the server is overloaded: {exc}", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDrainingError):
+        return OpenAIError(503, f"the server is shutting down: {exc}")
     if isinstance(exc, ValueError):
         return from_value_error(exc)
     logger.error("error while serving a request", exc_info=exc)

@@ -4,7 +4,7 @@ Shutdown, in order (uvicorn's steps, plus step 3):
 
 1. stop accepting connections; close idle keep-alive ones; new requests on busy connections
    get 503 (the server state is `draining`), as does /health;
-2. let requests in flight finish, for up to `drain_timeout` seconds;
+2. let requests in flight finish, for up to `drain_timeout` seconds (`AsyncLLM.drain`);
 3. then abort the rest: each stream ends with finish_reason "abort" and `data: [DONE]`;
 4. the app's lifespan stops the engine (its core process and workers);
 5. exit with status 0: a requested shutdown that completed is a success. (uvicorn on its own
@@ -29,7 +29,9 @@ from asyncengine.entrypoints.openai.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DRAIN_TIMEOUT_S = 5.0
+# Long enough for a typical completion to finish, short enough for an orchestrator's grace
+# period (Kubernetes waits 30 s before SIGKILL by default: set its grace period longer).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # After the aborts, how long uvicorn waits for responses to finish before cancelling them.
 _ABORT_GRACE_S = 2
 
@@ -63,7 +65,13 @@ class Server(uvicorn.Server):
             tg.cancel_scope.cancel()
 
     async def _abort_after_drain_timeout(self) -> None:
-        await anyio.sleep(self.drain_timeout)
+        engine = self.state.engine
+        if engine.is_running:
+            # No new engine request from here on; those in flight finish or, at the
+            # timeout, end with finish_reason "abort".
+            await engine.drain(self.drain_timeout)
+        else:
+            await anyio.sleep(self.drain_timeout)
         aborted = self.state.abort_all()
         if aborted:
             logger.warning("shutdown: aborted %d request(s) still running", aborted)

@@ -39,7 +39,7 @@ class ServerState:
         engine = self.engine
         if engine.dead_error is not None:
             raise OpenAIError(503, f"the engine is dead: {engine.dead_error}")
-        if self.draining:
+        if self.draining or engine.is_draining:
             raise OpenAIError(503, "the server is shutting down")
         if not engine.is_running:
             raise OpenAIError(503, "the engine is not running")

@@ -84,3 +84,24 @@ def test_shutdown_aborts_the_streams_still_running(chat_model: Path) -> None:
         if e["choices"][0]["finish_reason"] is not None
     }
     assert finished == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+
+
+def test_a_full_queue_answers_503_with_retry_after(chat_model: Path) -> None:
+    # One sequence runs at a time and one may wait: the third request finds the queue full.
+    kw = {**ENGINE_KW, "max_num_seqs": 1, "max_queued_requests": 1}
+    app = build_app(chat_model, core="thread", **kw)
+    long = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        run_in_thread(app, drain_timeout=0.0) as running,
+        httpx.Client(base_url=running.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=long) as first,
+    ):
+        next(first.iter_text())  # the first request runs: it has left the queue
+        with client.stream("POST", "/v1/completions", json=long) as second:
+            assert second.status_code == 200  # it waits in the queue, behind the first
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["type"] == "ServiceUnavailableError"
+            assert "max_queued_requests=1" in error["message"]
