@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,3 +38,19 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("llama")
+
+
+# A chat template in the tiny tokenizer's vocabulary (the tiny tokenizer is saved without one).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a chat template."""
+    path = tmp_path_factory.mktemp("tiny-chat") / "model"
+    shutil.copytree(tiny_llama, path)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path

@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -23,6 +24,7 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
+from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
 from asyncengine.client.core_client import EngineCoreClient, ProcCoreClient, ThreadCoreClient
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
@@ -201,6 +203,37 @@ class AsyncLLM:
         EngineDrainingError after `drain()`; EngineDeadError if the engine is gone, or dies
         meanwhile.
         """
+        async with aclosing(self._generate(prompt, params, request_id, priority)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def chat(
+        self,
+        messages: Conversation,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`generate()` for a conversation: `messages` (`[{"role", "content"}, ...]`) rendered
+        with the model's chat template, with the assistant's turn to come.
+
+        ValueError for a bad message (unknown role, content that is not a string) or a model
+        without a chat template; otherwise as `generate()`. `out.prompt` is the rendered text.
+        """
+        prompt = render_chat(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
+        async with aclosing(self._generate(prompt, params, request_id, priority)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _generate(
+        self,
+        prompt: Prompt | ChatPrompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+    ) -> AsyncGenerator[RequestOutput, None]:
         stream = self._add_request(prompt, params, request_id, priority)
         try:
             while True:
@@ -213,7 +246,11 @@ class AsyncLLM:
                 self._abort_nowait(stream.request_id)
 
     def _add_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int
+        self,
+        prompt: Prompt | ChatPrompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
     ) -> RequestStream:
         self._check_running()
         if self._state.draining:

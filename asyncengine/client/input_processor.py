@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from asyncengine.client.chat import ChatPrompt
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreRequest
@@ -41,14 +42,18 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.limits = limits
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt | ChatPrompt) -> tuple[str | None, list[int]]:
         """The prompt's text (if given as text) and its token ids, validated."""
         token_ids: list[int]
-        if isinstance(prompt, str):
+        text: str | None
+        if isinstance(prompt, ChatPrompt):  # rendered and encoded by render_chat
+            text = prompt.text
+            token_ids = list(prompt.token_ids)
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give a non-empty string or token ids")
             token_ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
+            text = prompt
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(cast("Sequence[int]", prompt))
             text = None
@@ -72,7 +77,7 @@ class InputProcessor:
 
     def process(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ChatPrompt,
         params: SamplingParams | None,
         *,
         request_id: str | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from asyncengine.client.chat import ChatPrompt
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.tokenizer import Tokenizer
@@ -38,7 +39,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: Prompt,
+        prompt: Prompt | ChatPrompt,
         params: SamplingParams | None = None,
         priority: int = 0,
     ) -> str:

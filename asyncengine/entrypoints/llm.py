@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
 from asyncengine.client.input_processor import Prompt
 from asyncengine.client.llm_engine import LLMEngine
 from asyncengine.client.tokenizer import Tokenizer
@@ -53,7 +54,40 @@ class LLM:
         `params` is one SamplingParams for all, or one per prompt. A bad prompt or
         parameter raises ValueError before anything runs.
         """
-        prompt_list = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate()` for conversations rendered with the model's chat template.
+
+        `messages` is one conversation (`[{"role", "content"}, ...]`) or a list of them; the
+        outputs come back in the same order. ValueError for a bad message or a model without
+        a chat template, before anything runs.
+        """
+        # A list of conversations is a list of lists; anything else is one conversation
+        # (render_chat names what is wrong with it).
+        first = messages[0] if isinstance(messages, Sequence) and messages else None
+        many = isinstance(first, Sequence) and not isinstance(first, (str, bytes))
+        conversations = list(messages) if many else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            render_chat(tokenizer, c, chat_template_kwargs=chat_template_kwargs)
+            for c in conversations
+        ]
+        return self._generate(prompts, params, use_tqdm)
+
+    def _generate(
+        self,
+        prompt_list: Sequence[Prompt | ChatPrompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncengine.client.chat import render_chat
 from asyncengine.entrypoints.openai.body import decode_request
 from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_value_error
 from asyncengine.entrypoints.openai.generation import (
@@ -99,23 +99,16 @@ class ChatServing:
             if message.name is not None:
                 entry["name"] = message.name
             messages.append(entry)
-        tokenizer = self.state.engine.tokenizer
-        extra = dict(req.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "tokenize"):
-            extra.pop(reserved, None)
         try:
-            text = str(
-                tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    tokenize=False,
-                    **extra,
-                )
+            prompt = render_chat(
+                self.state.engine.tokenizer,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
-        except (ValueError, TemplateError) as exc:
-            raise bad_request(f"the chat template failed: {exc}", "messages") from None
-        # The template writes the special tokens (BOS) itself.
-        return EnginePrompt(tokenizer.encode(text, add_special_tokens=False), text)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return EnginePrompt(prompt.token_ids, prompt.text)
 
 
 def _params(req: ChatCompletionRequest) -> SamplingParams:

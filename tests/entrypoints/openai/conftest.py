@@ -1,8 +1,7 @@
-"""Fixtures for the OpenAI-compatible server: a tiny chat model, one server per module."""
+"""Fixtures for the OpenAI-compatible server: one server per module (over `chat_model`)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,20 +10,6 @@ from openai_testing import API_KEY, ENGINE_KW, MAX_BODY, MODEL_NAME, RunningServ
 
 from asyncengine import AsyncLLM
 from asyncengine.entrypoints.openai import build_app
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant :{% endif %}"
-)
-
-
-@pytest.fixture(scope="session")
-def chat_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a chat template (the tiny tokenizer is saved without one)."""
-    path = tmp_path_factory.mktemp("tiny-chat") / "model"
-    shutil.copytree(tiny_llama, path)
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return path
 
 
 @pytest.fixture(scope="module")
