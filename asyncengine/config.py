@@ -94,6 +94,9 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
+    # A step (or a tensor-parallel collective) that runs longer is a hang: the engine dies
+    # loudly instead of waiting forever. Also how long a silent core process is given.
+    step_timeout: float = 300.0
 
     @classmethod
     def from_kwargs(
@@ -112,6 +115,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         max_queued_requests: int = 4096,
+        step_timeout: float = 300.0,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         attention_backend: str = "auto",
@@ -147,6 +151,12 @@ class EngineConfig:
                 f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False"
             )
         _check_int("seed", seed, 0)
+        if (
+            not isinstance(step_timeout, (int, float))
+            or isinstance(step_timeout, bool)
+            or not 0 < step_timeout < float("inf")
+        ):
+            raise ValueError(f"step_timeout={step_timeout!r} is invalid: must be seconds > 0")
         _check_choice("attention_backend", attention_backend, _ATTENTION_BACKENDS)
         if attention_backend == "cpu" and resolved_device != "cpu":
             raise ValueError(
@@ -217,6 +227,7 @@ class EngineConfig:
                 tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,
             ),
+            step_timeout=float(step_timeout),
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:

@@ -25,7 +25,12 @@ import anyio.lowlevel
 import msgspec
 
 from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
-from asyncengine.client.core_client import EngineCoreClient, ProcCoreClient, ThreadCoreClient
+from asyncengine.client.core_client import (
+    UNRESPONSIVE_AFTER_S,
+    EngineCoreClient,
+    ProcCoreClient,
+    ThreadCoreClient,
+)
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
@@ -336,7 +341,17 @@ class AsyncLLM:
         not answer within `timeout` seconds (it is hung, or stuck in a very long step).
 
         The timeout is part of what is checked, hence a parameter rather than a cancel scope.
+        A core process that has sent nothing (not even its heartbeat) for a few seconds fails
+        at once: it is stopped or hung.
         """
+        self._check_running()
+        assert self._core_client is not None
+        silent = self._core_client.silent_for()
+        if silent > UNRESPONSIVE_AFTER_S:
+            raise TimeoutError(
+                f"the engine core has sent nothing for {silent:.1f} s, not even a heartbeat: "
+                "it is stopped or hung"
+            )
         try:
             with anyio.fail_after(timeout):
                 await self._call_utility("check_health")

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_JOIN_S = 5.0  # terminate → join this long → kill
+# The core sends something at least every HEARTBEAT_INTERVAL_S (0.5 s); silent this long, it
+# is stopped or hung: health checks fail at once. Silent past its step_timeout, it is dead.
+UNRESPONSIVE_AFTER_S = 3.0
 _MAX_OUTPUTS_PER_BATCH = 64  # messages taken per get_outputs(), to keep the loop responsive
 
 
@@ -100,7 +103,12 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     async def wait_dead(self) -> str:
-        """Return, with a reason, when the core has died by itself (never on shutdown())."""
+        """Return, with a reason, when the core has died by itself (never on shutdown()),
+        or has been silent past its step_timeout (it is then killed)."""
+
+    def silent_for(self) -> float:
+        """Seconds since the core was last heard from (0 where it cannot be silent)."""
+        return 0.0
 
     @abstractmethod
     async def shutdown(self) -> None:
@@ -126,6 +134,7 @@ class ProcCoreClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._deadline = 0.0  # for READY, set when the core is spawned
         self._shut_down = False
+        self._last_heard = time.monotonic()  # any message, heartbeats included
 
     @property
     def socket_dir(self) -> Path:
@@ -245,15 +254,32 @@ class ProcCoreClient(EngineCoreClient):
                 except zmq.Again:
                     break
             if frames:
+                self._last_heard = time.monotonic()
                 return _decode_outputs(frames)
             if _readable(sock):
                 continue
             await anyio.wait_readable(fd)
 
+    def silent_for(self) -> float:
+        return time.monotonic() - self._last_heard
+
     async def wait_dead(self) -> str:
         proc = self.proc
         assert proc is not None
-        await anyio.wait_readable(proc.sentinel)
+        self._last_heard = time.monotonic()  # serving starts now
+        limit = self.config.step_timeout
+        while True:
+            with anyio.move_on_after(0.5):
+                await anyio.wait_readable(proc.sentinel)
+                break
+            silent = self.silent_for()
+            if silent > limit:
+                # Stopped (SIGSTOP) or hung beyond its own watchdog: it will never answer.
+                await anyio.to_thread.run_sync(_stop_process_tree, proc, True)
+                return (
+                    f"engine core process (pid {proc.pid}) sent nothing for {silent:.1f} s, "
+                    f"past step_timeout={limit:g} s: it was stopped or hung, and is killed"
+                )
         # The sentinel closes as the process exits, a moment before it can be reaped.
         await anyio.to_thread.run_sync(proc.join, 1.0)
         return f"engine core process (pid {proc.pid}) died: {_exit_desc(proc)}"
@@ -295,14 +321,17 @@ def _decode_outputs(frames: list[bytes]) -> list[EngineCoreOutputs]:
     return decoded
 
 
-def _stop_process_tree(proc: ChildProcess) -> None:
-    """terminate → join (5 s) → kill, for the core and every process it started."""
+def _stop_process_tree(proc: ChildProcess, kill: bool = False) -> None:
+    """terminate → join (5 s) → kill, for the core and every process it started; with
+    `kill`, kill at once (a stopped or hung process would never act on SIGTERM)."""
     import psutil
 
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         children = []
+    if kill:
+        proc.kill()
     if proc.is_alive():
         proc.terminate()
         proc.join(_SHUTDOWN_JOIN_S)

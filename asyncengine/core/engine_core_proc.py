@@ -14,6 +14,11 @@ The executor's failure callback puts EXECUTOR_FAILED on input_queue; the loop ra
 output thread sends ENGINE_CORE_DEAD (`EngineCoreOutputs.engine_dead`), and the process exits
 non-zero. SIGTERM and SIGINT shut it down cleanly; so does the death of its parent.
 
+Nothing hangs: a watchdog thread ends the process (after ENGINE_CORE_DEAD) when a step runs
+past `step_timeout`, and the output thread sends a heartbeat (an empty EngineCoreOutputs)
+whenever it has sent nothing for HEARTBEAT_INTERVAL_S, so the client can tell a stopped core
+from an idle one.
+
 This module imports no torch at the top: the core imports the heavy parts only after saying
 HELLO, so the client gets its first sign of life at once.
 """
@@ -73,6 +78,7 @@ logger = logging.getLogger(__name__)
 # The core waits this long for the client's addresses after saying HELLO.
 HANDSHAKE_TIMEOUT_S = 30.0
 _IO_POLL_MS = 100  # IO threads look at their stop flag this often
+HEARTBEAT_INTERVAL_S = 0.5  # the most the output socket stays silent while the core lives
 _OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CORE_DEAD
 
 _SHUTDOWN = object()  # on input_queue: leave the busy loop; on output_queue: stop the IO thread
@@ -97,6 +103,7 @@ class EngineCoreLoop:
         self.engine_core = engine_core
         self.emit = emit
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
+        self.step_started: float | None = None  # time.monotonic() of the step in progress
         # testing_* utility methods (fault injection), only where a test asked for them.
         self.test_hooks = load_test_hooks("CORE_HOOKS")
         engine_core.executor.register_failure_callback(self._on_executor_failure)
@@ -114,7 +121,9 @@ class EngineCoreLoop:
             if not self._process_input_queue():
                 return
             # 2. One step: schedule → execute → update (a no-op without requests).
+            self.step_started = time.monotonic()
             outputs = self.engine_core.step()
+            self.step_started = None
             # 3. Hand the step's outputs on.
             if outputs.outputs:
                 self.emit(outputs)
@@ -187,7 +196,11 @@ class EngineCoreProc:
     """The busy loop plus its two IO threads, over ZMQ sockets."""
 
     def __init__(
-        self, engine_core: EngineCore, ctx: zmq.Context[zmq.Socket[bytes]], addresses: Any
+        self,
+        engine_core: EngineCore,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        addresses: Any,
+        step_timeout: float,
     ) -> None:
         self.ctx = ctx
         self.output_queue: queue.Queue[EngineCoreOutputs | object] = queue.Queue()
@@ -202,11 +215,16 @@ class EngineCoreProc:
         self.output_thread = threading.Thread(
             target=self._process_output_socket, name="EngineCoreOutputIO", daemon=True
         )
+        self.step_timeout = step_timeout
+        self.watchdog_thread = threading.Thread(
+            target=self._watch_steps, name="EngineCoreWatchdog", daemon=True
+        )
 
     def run(self) -> None:
         """Serve until shutdown; on a fatal error send ENGINE_CORE_DEAD and re-raise."""
         self.input_thread.start()
         self.output_thread.start()
+        self.watchdog_thread.start()
         try:
             self.loop.run_busy_loop()
         except SystemExit:
@@ -246,13 +264,34 @@ class EngineCoreProc:
         buffer = bytearray()  # reused: send() copies small messages out of it
         try:
             while True:
-                outputs = self.output_queue.get()
+                try:
+                    outputs = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+                except queue.Empty:
+                    outputs = EngineCoreOutputs(timestamp=time.monotonic())  # a heartbeat
                 if outputs is _SHUTDOWN:
                     return
                 encoder.encode_into(outputs, buffer)
                 sock.send(buffer)
         finally:
             sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out
+
+    def _watch_steps(self) -> None:
+        """End the process when a step runs past step_timeout (a hung kernel or collective:
+        the busy loop's thread cannot be interrupted, so the process goes, loudly)."""
+        while not self._stop_input.wait(min(1.0, self.step_timeout / 4)):
+            started = self.loop.step_started
+            if started is None or time.monotonic() - started <= self.step_timeout:
+                continue
+            reason = (
+                f"a step exceeded step_timeout={self.step_timeout:g} s "
+                f"(running for {time.monotonic() - started:.1f} s): the engine core is hung"
+            )
+            logger.error("%s; exiting", reason)
+            self.output_queue.put(EngineCoreOutputs(engine_dead=reason))
+            self.output_queue.put(_SHUTDOWN)
+            self.output_thread.join(timeout=2.0)  # ENGINE_CORE_DEAD out first
+            # The workers see this process's end (their stdin closes) and exit too.
+            hard_exit(1)
 
 
 def main() -> None:
@@ -284,7 +323,7 @@ def run_engine_core(config: EngineConfig, handshake_address: str) -> None:
             _prepare_process(config)
             addresses = _receive_addresses(handshake)
             engine_core = _build_engine_core(config)
-            proc = EngineCoreProc(engine_core, ctx, addresses)
+            proc = EngineCoreProc(engine_core, ctx, addresses, config.step_timeout)
         except Exception as exc:
             reason = describe_exception(exc)
             logger.error("engine core failed to start: %s", reason)

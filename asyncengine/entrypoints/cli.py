@@ -58,6 +58,9 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                    help="requests that may wait for their first output before "
                                         "new ones are refused (503 when serving; "
                                         "default: 4096)")),
+    ("--step-timeout", dict(dest="step_timeout", type=float, metavar="S",
+                            help="a model step longer than this is a hang: the engine dies "
+                                 "with an error instead of waiting forever (default: 300)")),
     ("--seed", dict(dest="seed", type=int, metavar="S",
                     help="random seed of the engine, and of the request in `generate` "
                          "(default: 0)")),

@@ -36,6 +36,19 @@ def _core_fail_next_step(core: EngineCore) -> None:
     executor.execute_model = failing  # type: ignore[method-assign]
 
 
+def _core_hang_next_step(core: EngineCore, seconds: float) -> None:
+    """The next execute_model blocks for `seconds` first, as a hung kernel would."""
+    executor = core.executor
+    original = executor.execute_model
+
+    def hanging(*args: Any, **kwargs: Any) -> Any:
+        executor.execute_model = original  # type: ignore[method-assign]
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    executor.execute_model = hanging  # type: ignore[method-assign]
+
+
 def _core_collective_rpc(core: EngineCore, method: str, *args: Any) -> list[Any]:
     """Call a worker method on every rank (e.g. a worker's own fault injection below)."""
     return core.executor.collective_rpc(method, args=args, timeout=30.0)
@@ -48,6 +61,7 @@ def _core_notify_executor_failure(core: EngineCore) -> None:
 
 CORE_HOOKS = {
     "testing_fail_next_step": _core_fail_next_step,
+    "testing_hang_next_step": _core_hang_next_step,
     "testing_collective_rpc": _core_collective_rpc,
     "testing_notify_executor_failure": _core_notify_executor_failure,
 }

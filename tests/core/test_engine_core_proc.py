@@ -245,7 +245,7 @@ class ProcHarness:
         addresses = HandshakeAddresses(ipc_address(tmp, "input"), ipc_address(tmp, "output"))
         self.output = make_socket(self.ctx, addresses.output_address, zmq.PULL, bind=True)
         self.core = FakeEngineCore()
-        self.proc = EngineCoreProc(self.core, self.ctx, addresses)  # type: ignore[arg-type]
+        self.proc = EngineCoreProc(self.core, self.ctx, addresses, 300.0)  # type: ignore[arg-type]
         self.input = make_socket(self.ctx, addresses.input_address, zmq.PUSH, bind=False)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
