@@ -95,6 +95,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     kv_cache_usage: float  # fraction of the KV blocks in use, 0..1
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
+    num_prefill_tokens: int = 0  # prompt (and recompute) tokens the model has computed
 
     @property
     def num_used_kv_blocks(self) -> int:

@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens computed for prompts and recomputes, in all
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -157,7 +158,10 @@ class Scheduler:
 
         # 3. Advance the computed counts: the step will compute exactly these tokens.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            if request.num_computed_tokens + 1 < request.num_tokens:
+                self.num_prefill_tokens += n  # a prompt (or a recompute), not a decode
+            request.num_computed_tokens += n
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -240,6 +244,7 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             num_preemptions=self.num_preemptions,
+            num_prefill_tokens=self.num_prefill_tokens,
             num_kv_blocks=kv.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks,
             kv_cache_usage=kv.usage,

@@ -49,6 +49,23 @@ def _core_hang_next_step(core: EngineCore, seconds: float) -> None:
     executor.execute_model = hanging  # type: ignore[method-assign]
 
 
+def _core_delay_steps(core: EngineCore, seconds: float) -> None:
+    """Every execute_model from now on first sleeps `seconds` (0: no more), so a test can act
+    between steps of a tiny model."""
+    executor = core.executor
+    original = getattr(executor, "_testing_undelayed", None) or executor.execute_model
+    if seconds <= 0:
+        executor.execute_model = original  # type: ignore[method-assign]
+        return
+
+    def delayed(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    executor._testing_undelayed = original  # type: ignore[attr-defined]
+    executor.execute_model = delayed  # type: ignore[method-assign]
+
+
 def _core_collective_rpc(core: EngineCore, method: str, *args: Any) -> list[Any]:
     """Call a worker method on every rank (e.g. a worker's own fault injection below)."""
     return core.executor.collective_rpc(method, args=args, timeout=30.0)
@@ -62,6 +79,7 @@ def _core_notify_executor_failure(core: EngineCore) -> None:
 CORE_HOOKS = {
     "testing_fail_next_step": _core_fail_next_step,
     "testing_hang_next_step": _core_hang_next_step,
+    "testing_delay_steps": _core_delay_steps,
     "testing_collective_rpc": _core_collective_rpc,
     "testing_notify_executor_failure": _core_notify_executor_failure,
 }
