@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from asyncengine.errors import (
     EngineDeadError,
     EngineDrainingError,
+    EngineGenerateError,
     EngineOverloadedError,
     EngineStartupError,
     UnsupportedModelError,
@@ -32,6 +33,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineDrainingError",
+    "EngineGenerateError",
     "EngineOverloadedError",
     "EngineStartupError",
     "EngineStats",

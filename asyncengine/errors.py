@@ -14,6 +14,11 @@ class EngineStartupError(RuntimeError):
     """The engine core failed to start; the message carries the root cause."""
 
 
+class EngineGenerateError(RuntimeError):
+    """One request failed while it was processed (e.g. its detokenisation raised); its stream
+    ends with this error, naming the request and the cause. The engine goes on."""
+
+
 class EngineOverloadedError(RuntimeError):
     """`max_queued_requests` requests already wait: this one is refused, at once. Retry later
     (the server answers 503 with Retry-After)."""

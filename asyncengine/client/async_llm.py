@@ -459,6 +459,12 @@ class AsyncLLM:
         assert op is not None and client is not None
         processed = op.process_outputs(outputs)
         streams = self._state.streams
+        for request_id, error in processed.failed:
+            logger.warning("%s", error)
+            failed = streams.pop(request_id, None)
+            if failed is not None:
+                failed.put_failure(error)
+                self._note_if_idle()
         for output in processed.request_outputs:
             stream = streams.get(output.request_id)
             if stream is not None:

@@ -67,11 +67,16 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; the outputs of the requests that made progress."""
+        """Run one engine step; the outputs of the requests that made progress.
+
+        EngineGenerateError if a request's output could not be processed (that request is
+        aborted; the others stay queued)."""
         outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(outputs)
         if processed.core_ids_to_abort:
             self.engine_core.abort_requests(processed.core_ids_to_abort)
+        if processed.failed:
+            raise processed.failed[0][1]
         return processed.request_outputs
 
     def shutdown(self) -> None:

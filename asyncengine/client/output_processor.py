@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from asyncengine.client.detokenizer import IncrementalDetokenizer
 from asyncengine.client.input_processor import ProcessedRequest
 from asyncengine.client.tokenizer import Tokenizer
+from asyncengine.errors import EngineGenerateError
 from asyncengine.ipc.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsEntry
 from asyncengine.outputs import (
     CompletionOutput,
@@ -60,7 +61,10 @@ class RequestState:
 @dataclass(slots=True)
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    core_ids_to_abort: list[str]  # sequences that hit a stop string: the core must drop them
+    # Sequences the core must drop: they hit a stop string, or their request failed.
+    core_ids_to_abort: list[str]
+    # Requests whose processing raised, with the error for their stream; forgotten here.
+    failed: list[tuple[str, EngineGenerateError]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -128,15 +132,26 @@ class OutputProcessor:
         return self._make_output(state, state.sequences, finished=True)
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Fold one step's outputs in. A request whose processing raises (detokenisation,
+        stop strings, logprobs) fails alone: it is forgotten, its running sequences are to be
+        aborted, and it is reported in `failed`; every other request goes on."""
         now = time.monotonic()
         touched: dict[str, tuple[RequestState, list[SequenceState]]] = {}
         to_abort: list[str] = []
+        failed: list[tuple[str, EngineGenerateError]] = []
         for out in outputs.outputs:
             entry = self._sequences.get(out.request_id)
             if entry is None:
-                continue  # aborted by the client meanwhile
+                continue  # aborted by the client meanwhile, or failed
             state, seq = entry
-            if self._apply(state, seq, out, now):
+            try:
+                stopped = self._apply(state, seq, out, now)
+            except Exception as exc:
+                failed.append((state.request_id, self._failure(state, exc)))
+                to_abort.extend(self.abort_requests([state.request_id]))
+                touched.pop(state.request_id, None)
+                continue
+            if stopped:
                 to_abort.append(seq.core_id)
             if seq.finish_reason is not None:
                 del self._sequences[seq.core_id]
@@ -149,10 +164,24 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            request_output = self._make_output(state, changed, finished)
+            try:
+                request_output = self._make_output(state, changed, finished)
+            except Exception as exc:
+                failed.append((state.request_id, self._failure(state, exc)))
+                to_abort.extend(self.abort_requests([state.request_id]))
+                continue
             if request_output is not None:
                 request_outputs.append(request_output)
-        return ProcessedOutputs(request_outputs, to_abort)
+        return ProcessedOutputs(request_outputs, to_abort, failed)
+
+    @staticmethod
+    def _failure(state: RequestState, exc: Exception) -> EngineGenerateError:
+        error = EngineGenerateError(
+            f"request {state.request_id!r} failed while its output was processed: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
 
     def _dequeue(self, state: RequestState) -> None:
         if state.queued:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import anyio
 
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import EngineDeadError, EngineGenerateError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind
 
@@ -24,6 +24,7 @@ class RequestStream:
         self.finished = False  # the final output has been put
         self._pending: RequestOutput | None = None
         self._error: str | None = None  # EngineDeadError's message, once the engine is gone
+        self._failure: EngineGenerateError | None = None  # this request alone failed
         self._event = anyio.Event()
 
     def put(self, output: RequestOutput) -> None:
@@ -43,11 +44,22 @@ class RequestStream:
             self._error = message
             self._event.set()
 
+    def put_failure(self, error: EngineGenerateError) -> None:
+        """This request failed: `get` raises `error` (what is pending is dropped: the request's
+        outputs cannot be trusted past the failure)."""
+        self._pending = None
+        self._failure = error
+        self.finished = True
+        self._event.set()
+
     async def get(self) -> RequestOutput:
-        """The next output; EngineDeadError once the engine is gone."""
-        while self._pending is None and self._error is None:
+        """The next output; EngineGenerateError if the request failed, EngineDeadError once
+        the engine is gone."""
+        while self._pending is None and self._error is None and self._failure is None:
             await self._event.wait()
             self._event = anyio.Event()
+        if self._failure is not None:
+            raise self._failure
         output = self._pending
         if output is None:
             raise EngineDeadError(self._error)
