@@ -37,13 +37,20 @@ from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
-from asyncengine.ipc.messages import EngineCoreOutputs, EngineStats, UtilityCall, UtilityResult
+from asyncengine.ipc.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    UtilityCall,
+    UtilityResult,
+)
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 CORE_KINDS = ("process", "thread")
+_PAUSE_MODES = ("abort", "wait", "keep")
 # After the core process dies, wait this long for its ENGINE_CORE_DEAD (it says why).
 _DEATH_REPORT_GRACE_S = 0.3
 
@@ -63,6 +70,11 @@ class _State:
     closing: bool = False
     draining: bool = False
     idle: anyio.Event | None = None  # while draining: set once no stream is left
+    paused: bool = False
+    sleep_level: int = 0  # 0: awake
+    stream_ended: anyio.Event | None = None  # set (and replaced) whenever a stream ends
+    # While paused: new requests wait here, in the client, and go to the core on resume.
+    held: list[EngineCoreRequest] = field(default_factory=list)
     dead_error: EngineDeadError | None = None
     streams: dict[str, RequestStream] = field(default_factory=dict)
     utility_waiters: dict[int, _UtilityWaiter] = field(default_factory=dict)
@@ -275,8 +287,11 @@ class AsyncLLM:
         op.add_request(request)
         stream = RequestStream(request.request_id, request.params.output_kind)
         self._state.streams[request.request_id] = stream
-        for core_request in request.core_requests:
-            client.add_request_nowait(core_request)
+        if self._state.paused:
+            self._state.held.extend(request.core_requests)
+        else:
+            for core_request in request.core_requests:
+                client.add_request_nowait(core_request)
         return stream
 
     async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -303,13 +318,88 @@ class AsyncLLM:
         if left:
             logger.warning("drain: aborted %d request(s) still running", len(left))
 
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating; new requests queue (in the client) until `resume_generation()`.
+
+        `mode` says what happens to the requests in flight: "abort" ends them at once
+        (finish_reason "abort"); "wait" lets them finish first, then returns; "keep"
+        suspends them in place, their KV cache kept, to go on when resumed.
+        """
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} is invalid: must be one of {', '.join(_PAUSE_MODES)}")
+        self._check_running()
+        state = self._state
+        in_flight = list(state.streams)
+        state.paused = True
+        if mode == "abort":
+            for request_id in in_flight:
+                self.abort(request_id)
+        elif mode == "wait":
+            await self._wait_finished(in_flight)
+        await self._call_utility("pause")
+
+    async def resume_generation(self) -> None:
+        """Generate again: requests kept in place go on, and those that queued are sent."""
+        self._check_running()
+        state = self._state
+        if state.sleep_level:
+            raise RuntimeError("the engine is sleeping: call wake_up(), which also resumes")
+        await self._call_utility("resume")
+        state.paused = False
+        held, state.held = state.held, []
+        assert self._core_client is not None and self._output_processor is not None
+        live = self._output_processor.requests
+        for core_request in held:
+            # Requests abandoned while held never reach the core.
+            if core_request.request_id.partition("#")[0] in live:
+                self._core_client.add_request_nowait(core_request)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release memory while the engine is idle: level 1 the KV cache, level 2 the weights
+        too (reloaded from the model folder on wake). Requests in flight finish first; new
+        ones queue until `wake_up()`. The prefix cache starts empty after waking."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r} is invalid: must be 1 (KV cache) or 2 (and weights)")
+        if not self._state.paused:
+            await self.pause_generation(mode="wait")
+        await self._call_utility("sleep", level)
+        self._state.sleep_level = max(self._state.sleep_level, level)
+
+    async def wake_up(self) -> None:
+        """Reload what `sleep()` released, then serve the requests that queued meanwhile."""
+        if self._state.sleep_level:
+            await self._call_utility("wake_up")
+            self._state.sleep_level = 0
+        await self.resume_generation()
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between `sleep()` and `wake_up()`."""
+        return self._state.sleep_level > 0
+
+    @property
+    def is_paused(self) -> bool:
+        """True between `pause_generation()` and `resume_generation()`."""
+        return self._state.paused
+
+    async def _wait_finished(self, request_ids: list[str]) -> None:
+        state = self._state
+        while any(r in state.streams for r in request_ids):
+            if state.stream_ended is None:
+                state.stream_ended = anyio.Event()
+            await state.stream_ended.wait()
+
     @property
     def is_draining(self) -> bool:
         """True once `drain()` was called: new requests are refused."""
         return self._state.draining
 
     def _note_if_idle(self) -> None:
+        """Called whenever streams end: wake who waits for that."""
         state = self._state
+        if state.stream_ended is not None:
+            state.stream_ended.set()
+            state.stream_ended = None
         if state.idle is not None and not state.streams:
             state.idle.set()
 

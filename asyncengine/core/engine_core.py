@@ -81,5 +81,17 @@ class EngineCore:
         """Forget the prefix cache (blocks in use stay allocated); returns True."""
         return self.scheduler.reset_prefix_cache()
 
+    def sleep(self, level: int) -> None:
+        """Release the workers' KV cache (level 1) and weights (level 2). No request may be
+        in the core; the prefix cache is forgotten (the KV contents are gone)."""
+        if self.scheduler.has_requests():
+            raise RuntimeError("the engine core cannot sleep with requests in it")
+        self.scheduler.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", args=(level,))
+
+    def wake_up(self) -> None:
+        """Restore what `sleep()` released."""
+        self.executor.collective_rpc("wake_up")
+
     def shutdown(self) -> None:
         self.executor.shutdown()

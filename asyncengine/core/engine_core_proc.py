@@ -104,6 +104,7 @@ class EngineCoreLoop:
         self.emit = emit
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.step_started: float | None = None  # time.monotonic() of the step in progress
+        self.paused = False  # no steps until resumed (AsyncLLM.pause_generation)
         # testing_* utility methods (fault injection), only where a test asked for them.
         self.test_hooks = load_test_hooks("CORE_HOOKS")
         engine_core.executor.register_failure_callback(self._on_executor_failure)
@@ -120,6 +121,8 @@ class EngineCoreLoop:
             # 1. Block on input_queue while idle, then take everything that has arrived.
             if not self._process_input_queue():
                 return
+            if self.paused:
+                continue  # requests stay in place, their KV blocks kept, until resumed
             # 2. One step: schedule → execute → update (a no-op without requests).
             self.step_started = time.monotonic()
             outputs = self.engine_core.step()
@@ -131,7 +134,7 @@ class EngineCoreLoop:
     def _process_input_queue(self) -> bool:
         """Handle queued requests; False once SHUTDOWN is seen."""
         # has_requests, not has_work: a finished-ids list alone must not keep the loop spinning.
-        block = not self.engine_core.scheduler.has_requests()
+        block = self.paused or not self.engine_core.scheduler.has_requests()
         while True:
             try:
                 item = self.input_queue.get(block=block)
@@ -187,6 +190,18 @@ class EngineCoreLoop:
 
     def _utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def _utility_pause(self) -> None:
+        self.paused = True
+
+    def _utility_resume(self) -> None:
+        self.paused = False
+
+    def _utility_sleep(self, level: int) -> None:
+        self.engine_core.sleep(level)
+
+    def _utility_wake_up(self) -> None:
+        self.engine_core.wake_up()
 
 
 # ---- the process ------------------------------------------------------------------------------

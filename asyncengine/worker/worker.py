@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 
@@ -34,6 +37,8 @@ class Worker:
         self.device = device if device is not None else torch.device(device_config.device)
         torch.manual_seed(model_config.seed)
         self.model_runner = ModelRunner(model_config, cache_config, self.device, tp)
+        self._num_kv_blocks = 0
+        self._sleep_level = 0  # 0: awake; 1: KV cache released; 2: the weights too
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -57,6 +62,7 @@ class Worker:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._num_kv_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -71,5 +77,40 @@ class Worker:
     def check_health(self) -> None:
         return None
 
+    def sleep(self, level: int) -> None:
+        """Release the KV cache's memory (level 1), and the weights too (level 2); the
+        caller has no request running. `wake_up()` restores both."""
+        runner = self.model_runner
+        runner.kv_caches = []
+        if level >= 2:
+            runner.model = None
+            runner.cpu_forward = None
+        self._sleep_level = max(self._sleep_level, level)
+        _release_memory(self.device)
+
+    def wake_up(self) -> None:
+        """Reload what `sleep()` released: the weights from the model folder, then a zeroed
+        KV cache of the same size."""
+        if self._sleep_level >= 2:
+            self.model_runner.load_model()
+        if self._sleep_level >= 1:
+            self.model_runner.initialize_kv_cache(self._num_kv_blocks)
+        self._sleep_level = 0
+
     def pid(self) -> int:
         return os.getpid()
+
+
+def _release_memory(device: torch.device) -> None:
+    """Hand freed memory back to the system, not only to the allocators."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    # glibc keeps freed heap pages mapped; malloc_trim returns them (large tensors are
+    # unmapped on free anyway). Absent outside glibc: nothing to do there.
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
