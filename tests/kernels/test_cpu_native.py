@@ -1,5 +1,6 @@
 """Building, caching and loading the native CPU kernels (kernels/cpu_native.py), and how the
-C code is built: its portable (non-AVX-512) paths working, its inner-loop helpers inlined."""
+C code is built: warning-free, its portable (non-AVX-512) paths working, its inner-loop helpers
+inlined."""
 
 from __future__ import annotations
 
@@ -41,6 +42,31 @@ def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
         assert "building the native CPU kernels failed" in caplog.text
     finally:
         cpu_native.load_native.cache_clear()
+
+
+def test_the_cache_key_covers_every_source_and_header() -> None:
+    csrc = Path(cpu_native.__file__).parent / "csrc"
+    assert set(cpu_native.SOURCES) == set(csrc.glob("*.c"))
+    assert set(cpu_native.HEADERS) == set(csrc.glob("*.h"))
+    assert {p.name for p in cpu_native.SOURCES} >= {"attention.c", "norms.c", "linear.c"}
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64"])
+def test_the_c_code_builds_without_warnings(march: str, tmp_path: Path) -> None:
+    # -Wall -Werror, on the build's own flags, both for this CPU and for the portable paths.
+    # (-Wno-psabi: GCC notes that 64-byte vectors change the ABI of functions without AVX-512;
+    # every function that takes or returns one is inlined.)
+    if march != "native" and platform.machine() != "x86_64":
+        pytest.skip("x86-64 -march names")
+    cc = cpu_native.compiler()
+    assert cc is not None
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_native.CFLAGS]
+    proc = subprocess.run(
+        [cc, *flags, "-Wall", "-Werror", "-Wno-psabi", "-o", str(tmp_path / "k.so"),
+         *map(str, cpu_native.SOURCES)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march names")
