@@ -93,7 +93,12 @@ def test_portable_build_without_avx512(tmp_path: Path, monkeypatch: pytest.Monke
         cpu_native.load_native.cache_clear()
 
 
-INLINE_HELPERS = ("load16_as_f32", "load16", "load_f32", "store_f32", "exp2_normal", "round_row")
+# ae_vec.h's, bf16.h's and fast_exp.h's helpers, inlined into every file that includes them.
+INLINE_HELPERS = (
+    *("load16_as_f32", "load16", "load_f32", "store_f32", "exp2_normal", "round_row"),
+    *("elem_size", "round16_bf16_bits", "round16_bf16", "store16_bf16"),
+    *("bf16_to_f32", "f32_to_bf16", "exp_nonpositive", "exp_any", "silu_f32"),
+)
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="no nm (binutils)")
