@@ -1,4 +1,5 @@
-"""A model's linear layers on CPU: oneDNN's bf16 products against the native kernel.
+"""A model's linear layers on CPU: oneDNN's bf16 products against the native kernel
+(kernels/linear_cpu.py, which PackedLinear routes products of up to NATIVE_MAX_ROWS rows to).
 
     python benchmarks/cpu_linears.py [--model a|b|c] [--rows 1,16,64,128] [--repeats 5]
 

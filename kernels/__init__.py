@@ -1,1 +1,1 @@
-"""asyncengine.kernels: attention and cache kernels, each with a torch reference."""
+"""asyncengine.kernels: the compute kernels, one file per op and backend (docs/kernels.md)."""

@@ -1,18 +1,24 @@
-"""Build, cache and load the native CPU kernels (`csrc/*.c`), called through ctypes.
+"""Build, cache and load the native CPU kernels (`csrc/*.c`), and bind them through ctypes.
 
-The C files (attention, norms and the other small kernels in `cpu_kernels.c`; decode-sized
-bf16 linear layers, with variants fused with what follows them, in `cpu_linear.c`: a gated
-MLP's SiLU-and-multiply, the residual add and RMSNorm after a projection) are compiled into
-one library once per machine with the system C compiler (`$CC`, else `cc`) for the host CPU
-(`-march=native -fopenmp`): about a second, with no torch headers. The library is cached
-under `cache_dir()/native/`, named by a hash of the sources, the flags, the compiler binary
-and the CPU's feature flags, so a new source, compiler or CPU builds a new one and a cache
-shared between different machines never runs code built for another CPU. A build writes a
-temporary file and renames it, so processes that build at once (tensor-parallel workers) do
-not see a half-written library.
+The C files (one per kernel family: attention, the cache write and rotary, norms, the MLP's
+activation, argmax, decode-sized bf16 linear layers; `csrc/ae_kernels.h` declares what each
+exports) are compiled into one library once per machine with the system C compiler (`$CC`,
+else `cc`) for the host CPU (`-march=native -fopenmp`): about a second, with no torch headers.
+The library is cached under `cache_dir()/native/`, named by a hash of every source and header
+(names and contents), the flags, the compiler binary and the CPU's feature flags, so a new
+source, compiler or CPU builds a new one and a cache shared between different machines never
+runs code built for another CPU. A build writes a temporary file and renames it, so processes
+that build at once (tensor-parallel workers) do not see a half-written library.
 
 `load_native()` returns None, after one warning, where no compiler works or
 `ASYNCENGINE_NATIVE_KERNELS=0` is set; callers then use the torch reference.
+`ASYNCENGINE_NATIVE_SANITIZE=address,undefined` (any `-fsanitize=` list) builds the library
+with those sanitizers instead, as a library of its own in the cache, for tests: the process
+must have the sanitizers' runtimes preloaded (tests/kernels/test_cpu_sanitizers.py).
+
+`SIGNATURES` holds the ctypes signature of every C function Python calls, as ae_kernels.h
+declares it (tests/kernels/test_cpu_bindings.py checks the two agree); the per-op modules
+(`*_cpu.py`) call them through `require_native()`.
 
 Threads: the library links `libgomp.so.1`, which resolves to the OpenMP runtime torch already
 loaded (same soname), so one thread pool serves both. The thread count is passed per call,
@@ -41,9 +47,9 @@ from asyncengine.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# Compiled together into one library; the header is part of the build's hash.
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_linear.c")
-HEADERS = (CSRC / "bf16.h", CSRC / "fast_exp.h")
+# Every .c file is compiled into the one library; every file here is part of the build's hash.
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # -fno-trapping-math lets GCC vectorise the clamped exp() loops (FP exception flags are unused).
 CFLAGS = (
     "-O3",
@@ -58,22 +64,92 @@ DISABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
 # -march for the build, "native" unless set: e.g. "x86-64-v3" for a cache shared between
 # machines, or "x86-64" to exercise the kernels' portable (non-AVX-512) code paths.
 MARCH_ENV = "ASYNCENGINE_NATIVE_MARCH"
+# Sanitizers to build with, e.g. "address,undefined" (tests only; see the module docstring).
+SANITIZE_ENV = "ASYNCENGINE_NATIVE_SANITIZE"
+# ae_kernels.h's enum ae_dtype.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_i64 = ctypes.c_int64
-_ptr = ctypes.c_void_p
+_int, _i64, _float, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+# The C functions Python calls: name -> (return type, argument types), as ae_kernels.h
+# declares them (every pointer is a void pointer here).
+SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
+    "ae_paged_attention": (None, (
+        _int,  # dtype code
+        _ptr, _i64, _i64,  # query, token stride, head stride
+        _ptr, _i64, _i64,  # out, token stride, head stride
+        _ptr, _i64, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D, group
+        _ptr, _ptr, _ptr,  # q_start (int64), q_lens, seq_lens (int32)
+        _ptr, _i64, _i64,  # block_table (int32), its row stride, sequences
+        _float, _int,  # scale, threads
+    )),
+    "ae_reshape_and_cache": (None, (
+        _int,
+        _ptr, _i64, _i64,  # key, token stride, head stride
+        _ptr, _i64, _i64,  # value, token stride, head stride
+        _ptr, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D
+        _ptr, _i64, _int,  # slot_mapping, tokens, threads
+    )),
+    "ae_rotary": (None, (
+        _int,
+        _ptr, _i64, _i64, _i64,  # q, token stride, head stride, heads
+        _ptr, _i64, _i64, _i64,  # k, token stride, head stride, heads
+        _ptr, _ptr, _i64, _i64, _i64,  # cos, sin, their row stride, tokens, D
+        _ptr, _ptr, _float,  # q_norm, k_norm weights (or NULL), eps
+        _ptr, _i64, _i64,  # v, token stride, head stride (or NULL: no cache write)
+        _ptr, _i64, _i64, _ptr,  # kv_cache (or NULL), blocks, block size, slot_mapping
+        _int,  # threads
+    )),
+    "ae_rms_norm": (None, (
+        _int,
+        _ptr, _i64, _ptr, _i64,  # x, its row stride, out, its row stride
+        _ptr, _i64, _i64, _float, _int,  # weight, rows, n, eps, threads
+    )),
+    "ae_add_rms_norm": (None, (
+        _int,
+        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # x, residual (in place), out, their row strides
+        _ptr, _i64, _i64, _float, _int,  # weight, rows, n, eps, threads
+    )),
+    "ae_silu_mul": (None, (
+        _int,
+        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
+        _i64, _i64, _int,  # rows, n, threads
+    )),
+    "ae_argmax_rows": (None, (
+        _int,
+        _ptr, _i64, _i64, _i64, _ptr, _int,  # x, row stride, rows, n, out (int64), threads
+    )),
+    "ae_linear_bf16_fast": (_int, ()),
+    "ae_linear_bf16": (None, (
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64,  # packed weight, N, K, packed K
+        _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
+    )),
+    "ae_linear_silu_bf16": (None, (
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64,  # packed joint [gate; up] weight, N (= 2I), K, packed K
+        _ptr, _ptr, _i64, _int,  # bias (or NULL), out [rows][I], its row stride, threads
+    )),
+    "ae_linear_add_rms_norm_bf16": (None, (
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64, _i64, _ptr,  # packed weight, N, K, packed K, bias (or NULL)
+        _ptr, _ptr, _i64,  # product scratch [rows][N], residual (in place), its row stride
+        _ptr, _float, _ptr, _i64,  # norm weight, eps, out, its row stride
+        _int,  # threads
+    )),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class NativeKernels:
-    """The loaded library's entry points (see the C file for their contracts)."""
+    """The loaded library's entry points (see ae_kernels.h and the C files for their contracts)."""
 
     path: Path
     paged_attention: Callable[..., None]
     reshape_and_cache: Callable[..., None]
+    rotary: Callable[..., None]
     rms_norm: Callable[..., None]
     add_rms_norm: Callable[..., None]
-    rotary: Callable[..., None]
     silu_mul: Callable[..., None]
     argmax_rows: Callable[..., None]
     linear_bf16: Callable[..., None]
@@ -122,105 +198,71 @@ def require_native() -> NativeKernels:
     return lib
 
 
-def _function(lib: ctypes.CDLL, name: str, argtypes: list[object]) -> Callable[..., None]:
-    """The library's C function `name` (returning void), with its argument types declared."""
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: CPU, one supported dtype, rows of stride 1."""
+    dtype = tensors[0].dtype
+    return all(
+        t.device.type == "cpu" and t.dtype == dtype and t.dtype in DTYPE_CODES and t.stride(-1) == 1
+        for t in tensors
+    )
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] as [R, N] rows of unit stride along N (a view where it can be): the kernels
+    take any row stride."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _function(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
+    """The library's C function `name`, with its signature (SIGNATURES) declared."""
     fn = getattr(lib, name)
-    fn.restype = None
-    fn.argtypes = argtypes
+    fn.restype, fn.argtypes = SIGNATURES[name][0], list(SIGNATURES[name][1])
     return fn  # type: ignore[no-any-return]
 
 
 def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
-    attention = _function(lib, "ae_paged_attention", [
-        ctypes.c_int,  # dtype code
-        _ptr, _i64, _i64,  # query, token stride, head stride
-        _ptr, _i64, _i64,  # out, token stride, head stride
-        _ptr, _i64, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D, group
-        _ptr, _ptr, _ptr,  # q_start (int64), q_lens, seq_lens (int32)
-        _ptr, _i64, _i64,  # block_table (int32), its row stride, sequences
-        ctypes.c_float, ctypes.c_int,  # scale, threads
-    ])  # fmt: skip
-    cache = _function(lib, "ae_reshape_and_cache", [
-        ctypes.c_int,
-        _ptr, _i64, _i64,  # key, token stride, head stride
-        _ptr, _i64, _i64,  # value, token stride, head stride
-        _ptr, _i64, _i64, _i64, _i64,  # cache, H_kv, blocks, block size, D
-        _ptr, _i64, ctypes.c_int,  # slot_mapping, tokens, threads
-    ])  # fmt: skip
-    rms_norm = _function(lib, "ae_rms_norm", [
-        ctypes.c_int,
-        _ptr, _i64, _ptr, _i64,  # x, its row stride, out, its row stride
-        _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
-    ])  # fmt: skip
-    add_rms_norm = _function(lib, "ae_add_rms_norm", [
-        ctypes.c_int,
-        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # x, residual (in place), out, their row strides
-        _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int,  # weight, rows, n, eps, threads
-    ])  # fmt: skip
-    rotary = _function(lib, "ae_rotary", [
-        ctypes.c_int,
-        _ptr, _i64, _i64, _i64,  # q, token stride, head stride, heads
-        _ptr, _i64, _i64, _i64,  # k, token stride, head stride, heads
-        _ptr, _ptr, _i64, _i64, _i64,  # cos, sin, their row stride, tokens, D
-        _ptr, _ptr, ctypes.c_float,  # q_norm, k_norm weights (or NULL), eps
-        _ptr, _i64, _i64,  # v, token stride, head stride (or NULL: no cache write)
-        _ptr, _i64, _i64, _ptr,  # kv_cache (or NULL), blocks, block size, slot_mapping
-        ctypes.c_int,  # threads
-    ])  # fmt: skip
-    silu_mul = _function(lib, "ae_silu_mul", [
-        ctypes.c_int,
-        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
-        _i64, _i64, ctypes.c_int,  # rows, n, threads
-    ])  # fmt: skip
-    argmax_rows = _function(lib, "ae_argmax_rows", [
-        ctypes.c_int,
-        _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int,  # x, row stride, rows, n, out, threads
-    ])  # fmt: skip
-    linear_bf16 = _function(lib, "ae_linear_bf16", [
-        _ptr, _i64, _i64,  # x, its row stride, rows
-        _ptr, _i64, _i64, _i64,  # packed weight, N, K, packed K
-        _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out, its row stride, threads
-    ])  # fmt: skip
-    linear_silu_bf16 = _function(lib, "ae_linear_silu_bf16", [
-        _ptr, _i64, _i64,  # x, its row stride, rows
-        _ptr, _i64, _i64, _i64,  # packed joint [gate; up] weight, N (= 2I), K, packed K
-        _ptr, _ptr, _i64, ctypes.c_int,  # bias (or NULL), out [rows][I], its row stride, threads
-    ])  # fmt: skip
-    linear_add_rms_norm_bf16 = _function(lib, "ae_linear_add_rms_norm_bf16", [
-        _ptr, _i64, _i64,  # x, its row stride, rows
-        _ptr, _i64, _i64, _i64, _ptr,  # packed weight, N, K, packed K, bias (or NULL)
-        _ptr, _ptr, _i64,  # product scratch [rows][N], residual (in place), its row stride
-        _ptr, ctypes.c_float, _ptr, _i64,  # norm weight, eps, out, its row stride
-        ctypes.c_int,  # threads
-    ])  # fmt: skip
-    fast = lib.ae_linear_bf16_fast
-    fast.restype, fast.argtypes = ctypes.c_int, []
     return NativeKernels(
         path=path,
-        linear_bf16=linear_bf16,
-        linear_silu_bf16=linear_silu_bf16,
-        linear_add_rms_norm_bf16=linear_add_rms_norm_bf16,
-        linear_bf16_fast=bool(fast()),
-        argmax_rows=argmax_rows,
-        paged_attention=attention,
-        reshape_and_cache=cache,
-        rms_norm=rms_norm,
-        add_rms_norm=add_rms_norm,
-        rotary=rotary,
-        silu_mul=silu_mul,
+        paged_attention=_function(lib, "ae_paged_attention"),
+        reshape_and_cache=_function(lib, "ae_reshape_and_cache"),
+        rotary=_function(lib, "ae_rotary"),
+        rms_norm=_function(lib, "ae_rms_norm"),
+        add_rms_norm=_function(lib, "ae_add_rms_norm"),
+        silu_mul=_function(lib, "ae_silu_mul"),
+        argmax_rows=_function(lib, "ae_argmax_rows"),
+        linear_bf16=_function(lib, "ae_linear_bf16"),
+        linear_silu_bf16=_function(lib, "ae_linear_silu_bf16"),
+        linear_add_rms_norm_bf16=_function(lib, "ae_linear_add_rms_norm_bf16"),
+        linear_bf16_fast=bool(_function(lib, "ae_linear_bf16_fast")()),
     )
 
 
-def _build(cc: str) -> Path:
+def _build_flags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: CFLAGS with $ASYNCENGINE_NATIVE_MARCH's
+    -march, plus the sanitizers of $ASYNCENGINE_NATIVE_SANITIZE (which stop at the first
+    error they find, and keep frame pointers and line numbers for their reports)."""
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CFLAGS)
+    sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+    if sanitize:
+        flags += (f"-fsanitize={sanitize}", "-fno-sanitize-recover=all",
+                  "-fno-omit-frame-pointer", "-g")  # fmt: skip
+    return flags
+
+
+def _build(cc: str) -> Path:
+    flags = _build_flags()
     key = hashlib.sha256()
-    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
-    for part in (*sources, " ".join(flags).encode(), _compiler_identity(cc), _cpu_flags()):
+    files = [part for p in (*SOURCES, *HEADERS) for part in (p.name.encode(), p.read_bytes())]
+    for part in (*files, " ".join(flags).encode(), _compiler_identity(cc), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
     out_dir = cache_dir() / "native"
-    target = out_dir / f"cpu_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    # A sanitized build is a library of its own: the two never replace each other.
+    stem = "cpu_kernels-sanitized" if os.environ.get(SANITIZE_ENV, "").strip() else "cpu_kernels"
+    prefix = f"{stem}-{platform.machine()}-"
+    target = out_dir / f"{prefix}{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +282,7 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     # Builds of older sources are dead weight (a process still running one keeps its mapping).
-    for old in out_dir.glob(f"cpu_kernels-{platform.machine()}-*.so"):
+    for old in out_dir.glob(f"{prefix}*.so"):
         if old != target:
             old.unlink(missing_ok=True)
     logger.info("built the native CPU kernels: %s", target)

@@ -1,9 +1,7 @@
-"""Paged attention on CPU with the native kernels (`csrc/cpu_kernels.c`): the "cpu" backend.
+"""Paged attention on CPU with the native kernel (`csrc/attention.c`): the "cpu" backend.
 
-Same contract as the torch reference in `paged_attention.py`, with one difference in the cache:
-each key block is stored transposed, `[D, block_size]` inside the `[2, H_kv, num_blocks,
-block_size, D]` tensor (see the C file for why). `reshape_and_cache_cpu` writes that layout and
-everything here reads it, so a cache must be written and read by this backend alone.
+Same contract as the torch reference in `paged_attention.py`, over this backend's cache layout
+(key blocks stored transposed; see `reshape_and_cache_cpu.py`, which writes it).
 
 - Decodes and prefill chunks of up to NATIVE_MAX_QUERY_LEN query tokens run in the C kernel,
   which reads the K/V blocks where they lie (a cached prefix needs no gather), in parallel over
@@ -22,6 +20,7 @@ import torch
 
 from asyncengine.kernels.cpu_native import DTYPE_CODES, require_native
 from asyncengine.kernels.paged_attention import _Prefill, attend_prefills, plan_prefills
+from asyncengine.kernels.reshape_and_cache_cpu import check_cache, rows_contiguous
 
 # Sequences with at most this many query tokens (decodes, short prefill chunks) attend in the C
 # kernel; longer chunks go to SDPA, whose GEMM-based flash kernel wins on long query blocks.
@@ -76,8 +75,8 @@ def paged_attention_cpu(
     plan: CpuAttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, H_q, D]
-    _check_cache(kv_cache)
-    q = _rows_contiguous(query.to(kv_cache.dtype))
+    check_cache(kv_cache)
+    q = rows_contiguous(query.to(kv_cache.dtype))
     # The kernel writes the rows of the sequences it attends; SDPA the rest.
     output = torch.empty(q.shape, dtype=kv_cache.dtype)
     num_native = plan.q_start.numel()
@@ -96,52 +95,3 @@ def paged_attention_cpu(
     if plan.prefills:
         attend_prefills(q, key, value, kv_cache, plan.prefills, scale, output, keys_transposed=True)
     return output if output.dtype == query.dtype else output.to(query.dtype)
-
-
-def reshape_and_cache_cpu(
-    key: torch.Tensor,  # [T, H_kv, D]
-    value: torch.Tensor,  # [T, H_kv, D]
-    kv_cache: torch.Tensor,  # [2, H_kv, num_blocks, block_size, D], key blocks transposed
-    slot_mapping: torch.Tensor,  # [T] int64
-) -> None:
-    """Write K/V rows into their cache slots, in place, key blocks transposed."""
-    _check_cache(kv_cache)
-    k = _rows_contiguous(key.to(kv_cache.dtype))
-    v = _rows_contiguous(value.to(kv_cache.dtype))
-    slots = slot_mapping.to(torch.int64).contiguous()
-    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-    require_native().reshape_and_cache(
-        DTYPE_CODES[kv_cache.dtype],
-        k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1),
-        kv_cache.data_ptr(), num_kv_heads, num_blocks, block_size, head_dim,
-        slots.data_ptr(), slots.numel(), torch.get_num_threads(),
-    )  # fmt: skip
-
-
-def read_cache_cpu(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The cache in the reference layout (keys un-transposed): a copy, for tests and checks."""
-    out = kv_cache.clone()
-    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-    out[0] = kv_cache[0].reshape(num_kv_heads, num_blocks, head_dim, block_size).transpose(-1, -2)
-    return out
-
-
-def to_cpu_layout(kv_cache: torch.Tensor) -> torch.Tensor:
-    """A reference-layout cache converted to this backend's (keys transposed): a copy."""
-    out = kv_cache.clone()
-    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-    out[0].view(num_kv_heads, num_blocks, head_dim, block_size).copy_(kv_cache[0].transpose(-1, -2))
-    return out
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # The kernels take any token and head strides, but each head's D values must be adjacent.
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_cache(kv_cache: torch.Tensor) -> None:
-    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        raise ValueError("the native CPU kernels need a contiguous CPU KV cache")
-    if kv_cache.dtype not in DTYPE_CODES:
-        raise ValueError(f"KV cache dtype {kv_cache.dtype}: expected float32, bfloat16, float16")

@@ -1,12 +1,13 @@
-"""RMSNorm with an optional fused residual add, in place: the torch reference.
+"""RMSNorm with an optional fused residual add: the torch reference.
 
-`rms_norm_torch(x, weight, eps)` replaces each row of `x` by `weight * normalize(x)`. With a
-`residual`, it first adds `x` into `residual` (in place, as the next layer's residual) and then
-normalizes that sum into `x`: the `hidden = residual + hidden; residual = hidden; hidden =
-norm(hidden)` step of a pre-norm decoder layer, in one call.
+`rms_norm_torch(x, weight, eps)` returns `weight * normalize(x)` over the rows of `x`, as a new
+tensor. With a `residual`, it first adds `x` into `residual` (in place, as the next layer's
+residual) and normalizes that sum: the `hidden = residual + hidden; residual = hidden; hidden =
+norm(hidden)` step of a pre-norm decoder layer, in one call. `x` itself is never modified.
 
 The arithmetic follows transformers' `LlamaRMSNorm`: the mean square in fp32, the normalized
-row rounded to the input dtype before the weight multiplies it.
+row rounded to the input dtype before the weight multiplies it. The same contract, with the
+same signature: `rms_norm_triton` (CUDA), `rms_norm_cpu` (the native CPU kernels).
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import torch
 
 
 def rms_norm_torch(
-    x: torch.Tensor,  # [T, N], normalized in place
+    x: torch.Tensor,  # [..., N]; not modified
     weight: torch.Tensor,  # [N]
     eps: float,
-    residual: torch.Tensor | None = None,  # [T, N]: residual += x first, then x = norm(residual)
-) -> None:
-    """Torch reference: RMS-normalize the rows of `x` in place (after the residual add)."""
+    residual: torch.Tensor | None = None,  # [..., N]: residual += x first, then norm(residual)
+) -> torch.Tensor:  # [..., N] like x
+    """Torch reference: the RMS-normalized rows of `x` (of the sum, after the residual add)."""
     if residual is not None:
         residual.add_(x)
-        x.copy_(residual)
-    xf = x.float()  # [T, N]
+        x = residual
+    xf = x.float()  # [..., N]
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    x.copy_(weight * normed.to(x.dtype))
+    return (weight * normed.to(x.dtype)).to(x.dtype)

@@ -81,8 +81,8 @@ def _cpu_backend() -> AttentionBackend:
     from asyncengine.kernels.paged_attention_cpu import (
         paged_attention_cpu,
         plan_paged_attention_cpu,
-        reshape_and_cache_cpu,
     )
+    from asyncengine.kernels.reshape_and_cache_cpu import reshape_and_cache_cpu
 
     return AttentionBackend(
         "cpu", plan_paged_attention_cpu, reshape_and_cache_cpu, paged_attention_cpu

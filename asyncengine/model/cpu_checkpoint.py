@@ -14,7 +14,7 @@ safetensors files itself:
 It casts each tensor to the engine's dtype, joins and packs the projections layer by layer,
 and returns the malloc arena's free pages to the system at the end. The numbers stay the
 same as transformers' path: the same casts, the same GEMMs, the same rotary tables
-(tests/native/test_cpu_checkpoint.py). Everything else loads through transformers as before:
+(tests/model/test_cpu_checkpoint.py). Everything else loads through transformers as before:
 `lean_checkpoint_reason` says why a checkpoint is not taken.
 """
 

@@ -15,7 +15,7 @@ Qwen3's) in eight calls a layer:
 
 and takes the final norm and the lm_head on the sampled rows only. Every op rounds where
 transformers' rounds, so the numbers are the same: bf16 logits bit for bit, fp32 ones up to
-the summation order of the RMSNorms (tests/native/test_cpu_forward.py). The side-by-side
+the summation order of the RMSNorms (tests/model/test_cpu_forward.py). The side-by-side
 weights are used only for bf16/fp16 and where a probe shows that the joint GEMM gives the
 separate GEMMs' numbers to the bit; otherwise the projections stay apart.
 
@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rms_norm_cpu, rotary_cpu, silu_mul_cpu
+from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
+from asyncengine.kernels.rotary_cpu import rotary_cpu
+from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import PackedLinear
 
@@ -171,7 +173,7 @@ class CpuForward:
         # The last residual add and the final norm, on the sampled rows only.
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)
-        hidden = add_rms_norm_cpu(rows_out, rows_res, self._final_norm, self._final_eps)
+        hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
         logits: torch.Tensor = self._lm_head(hidden)
         return logits
 
@@ -193,7 +195,7 @@ def _add_rms_norm(
     projection: _Projection, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """`residual += product` (in place) and its RMSNorm: for decode-sized batches one native
-    call (PackedLinear.add_rms_norm), else the product then add_rms_norm_cpu."""
+    call (PackedLinear.add_rms_norm), else the product then rms_norm_cpu."""
     layer, x = projection
     if layer is not None:
         if isinstance(layer, PackedLinear):
@@ -201,8 +203,7 @@ def _add_rms_norm(
             if fused is not None:
                 return fused
         x = layer(x)
-    normed: torch.Tensor = add_rms_norm_cpu(x, residual, weight, eps)
-    return normed
+    return rms_norm_cpu(x, weight, eps, residual)
 
 
 def _mlp(layer: LeanLayer, x: torch.Tensor) -> _Projection:

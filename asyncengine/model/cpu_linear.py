@@ -11,19 +11,18 @@ reordered weight (the lm_head too; a tied embedding keeps its own plain copy). I
 packed path against `F.linear` once and leaves the model as it is if they differ or oneDNN
 lacks the dtype, so an unusual build of torch only loses the speed-up.
 
-Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows) skip oneDNN: the native kernel
-(`kernels/csrc/cpu_linear.c`) reads the same packed weight with AVX512-BF16 dot products:
+Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows) skip oneDNN: the native kernels
+(`kernels/linear_cpu.py`) read the same packed weight with AVX512-BF16 dot products:
 one-row products at close to the memory bandwidth, where oneDNN's reach about half of it and
-pay more per call; with more rows it computes as fast as oneDNN on cached weights and streams
-the next block of weights in meanwhile, where oneDNN waits for them. Its sums run in another
+pay more per call; with more rows they compute as fast as oneDNN on cached weights and stream
+the next block of weights in meanwhile, where oneDNN waits for them. Their sums run in another
 order, so those rows may differ from `F.linear` in the last bit (rarely: about one value in
-50,000 on SmolLM2's shapes). It is used only where it was built with AVX512-BF16 and the
-packed weight is in the layout it reads (checked per layer).
+50,000 on SmolLM2's shapes). They are used only where they were built with AVX512-BF16 and the
+packed weight is in the layout they read (checked per layer).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.kernels.linear_cpu import NATIVE_BLOCK, LinearCpu, prepare_linear_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,6 @@ _BATCH_HINT = 64  # the layout oneDNN picks barely depends on it (measured: with
 # 34.3, 128 rows 45.4 against 44.5, 256 rows 85 against 87. Longer (prefill) products stay
 # with oneDNN, which is ahead there.
 NATIVE_MAX_ROWS = 128
-_NATIVE_BLOCK = 64  # output columns per block of the packed layout the kernel reads
 
 
 class PackedLinear(nn.Module):
@@ -57,7 +55,7 @@ class PackedLinear(nn.Module):
             linear.weight.detach(), _BATCH_HINT
         )
         self.bias = linear.bias
-        self._native = _native_product(linear.weight, self.bias, self.packed_weight)
+        self._native = prepare_linear_cpu(linear.weight, self.bias, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         native = self._native
@@ -76,15 +74,15 @@ class PackedLinear(nn.Module):
         where that path does not apply (not bf16, more than NATIVE_MAX_ROWS rows, halves not
         whole 64-column blocks): the caller then runs the two steps."""
         native = self._native_for(x)
-        if native is None or self.out_features % (2 * _NATIVE_BLOCK):
+        if native is None or self.out_features % (2 * NATIVE_BLOCK):
             return None
         return native.silu_mul(x)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor | None:
-        """`add_rms_norm_cpu(forward(x), residual, weight, eps)` in one native call, bit for
-        bit: `residual += forward(x)` in place, and its RMSNorm returned. None where that path
+        """`rms_norm_cpu(forward(x), weight, eps, residual)` in one native call, bit for bit:
+        `residual += forward(x)` in place, and its RMSNorm returned. None where that path
         does not apply (not bf16, more than NATIVE_MAX_ROWS rows, a residual whose rows are not
         contiguous, a width that is not a multiple of 16): the caller runs the two steps."""
         native = self._native_for(x)
@@ -95,7 +93,7 @@ class PackedLinear(nn.Module):
             return None
         return native.add_rms_norm(x, residual, weight, eps)
 
-    def _native_for(self, x: torch.Tensor) -> _NativeProduct | None:
+    def _native_for(self, x: torch.Tensor) -> LinearCpu | None:
         """The native kernel, where it takes x: bf16 rows [rows, in], 1 to NATIVE_MAX_ROWS."""
         native = self._native
         if native is None or x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -117,106 +115,6 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class _NativeProduct:
-    """x [rows, in] -> x @ weight.T + bias by the native kernel over oneDNN's packed weight."""
-
-    def __init__(self, lib: NativeKernels, packed: torch.Tensor, packed_k: int,
-                 shape: tuple[int, int], bias: torch.Tensor | None) -> None:  # fmt: skip
-        self._lib = lib
-        self._packed = packed  # the kernel reads its memory: keep it alive
-        self._address = torch.ops.mkldnn.data_ptr(packed)
-        self._packed_k = packed_k
-        self._n, self._k = shape
-        self._bias = None if bias is None else bias.detach().contiguous()
-        self._bias_address = None if self._bias is None else self._bias.data_ptr()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], self._n, dtype=torch.bfloat16)
-        self._lib.linear_bf16(
-            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
-            self._packed_k, self._bias_address, out.data_ptr(), self._n, torch.get_num_threads(),
-        )  # fmt: skip
-        return out
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """residual += the product, in place; its RMSNorm times weight (see PackedLinear)."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        product = torch.empty(rows, self._n, dtype=torch.bfloat16)
-        out = torch.empty(rows, self._n, dtype=torch.bfloat16)
-        w = weight.contiguous()
-        self._lib.linear_add_rms_norm_bf16(
-            x.data_ptr(), x.stride(0), rows, self._address, self._n, self._k, self._packed_k,
-            self._bias_address, product.data_ptr(), residual.data_ptr(), residual.stride(0),
-            w.data_ptr(), eps, out.data_ptr(), self._n, torch.get_num_threads(),
-        )  # fmt: skip
-        return out
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(g) * u for this [gate; up] product's halves (n a multiple of 128)."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        inter = self._n // 2
-        out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
-        self._lib.linear_silu_bf16(
-            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
-            self._packed_k, self._bias_address, out.data_ptr(), inter, torch.get_num_threads(),
-        )  # fmt: skip
-        return out
-
-
-def _native_product(
-    weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
-) -> _NativeProduct | None:
-    """The native kernel's product over `packed`, or None where it does not apply: not bf16,
-    not built with AVX512-BF16, or packed in another layout."""
-    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
-        return None
-    lib = load_native()
-    if lib is None or not lib.linear_bf16_fast:
-        return None
-    packed_k = _packed_k(weight, packed)
-    if packed_k is None:
-        logger.info("oneDNN packed a %s weight in a layout the native kernel does not read",
-                    tuple(weight.shape))  # fmt: skip
-        return None
-    n, k = weight.shape
-    return _NativeProduct(lib, packed, packed_k, (n, k), bias)
-
-
-def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
-    """The padded input extent of `packed` if it holds `weight` as the native kernel reads it,
-    [ceil(out / 64)][in_padded / 2][64][2]: checked on the sizes and on a sample of values."""
-    n, k = weight.shape
-    blocks = -(-n // _NATIVE_BLOCK)
-    try:
-        nbytes = int(torch.ops.mkldnn._nbytes(packed))
-        address = int(torch.ops.mkldnn.data_ptr(packed))
-    except (RuntimeError, AttributeError):  # a torch without these accessors
-        return None
-    packed_k, rest = divmod(nbytes // 2, blocks * _NATIVE_BLOCK)
-    if nbytes % 2 or rest or packed_k % 2 or packed_k < k:
-        return None
-    raw = (ctypes.c_uint16 * (nbytes // 2)).from_address(address)
-    values = torch.frombuffer(raw, dtype=torch.int16)  # a view of the packed weight, no copy
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, n, (256,), generator=g)
-    cols = torch.randint(0, k, (256,), generator=g)
-    where = (
-        (rows // _NATIVE_BLOCK) * (packed_k * _NATIVE_BLOCK)
-        + (cols // 2) * (2 * _NATIVE_BLOCK)
-        + (rows % _NATIVE_BLOCK) * 2
-        + cols % 2
-    )
-    want = weight.detach()[rows, cols].view(torch.int16)
-    return packed_k if torch.equal(values[where], want) else None
 
 
 def packs(dtype: torch.dtype) -> bool:

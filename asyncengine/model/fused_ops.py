@@ -70,20 +70,21 @@ _SILUS = frozenset({"SiLUActivation", "SiLU"})
 
 
 def _native_norm_forward(original: Any) -> Any:
-    from asyncengine.kernels.fused_cpu import rms_norm_cpu, supported
+    from asyncengine.kernels.cpu_native import supported
+    from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 
     def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         weight: torch.Tensor = self.weight
         if not supported(hidden_states, weight):
             return original(hidden_states)  # type: ignore[no-any-return]
-        out: torch.Tensor = rms_norm_cpu(hidden_states, weight, float(self.variance_epsilon))
-        return out
+        return rms_norm_cpu(hidden_states, weight, float(self.variance_epsilon))
 
     return forward
 
 
 def _native_mlp_forward() -> Any:
-    from asyncengine.kernels.fused_cpu import silu_mul_cpu, supported
+    from asyncengine.kernels.cpu_native import supported
+    from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
@@ -102,10 +103,6 @@ def _make_forward(original: Any) -> Any:
         if hidden_states.dtype != weight.dtype:
             # transformers would return the promoted dtype; keep its own path for that case.
             return original(hidden_states)  # type: ignore[no-any-return]
-        # The kernel works in place on contiguous rows: normalise a copy, as the module returns
-        # a new tensor.
-        out = hidden_states.clone(memory_format=torch.contiguous_format)  # [..., N]
-        rms_norm_triton(out.view(-1, out.shape[-1]), weight, float(self.variance_epsilon))
-        return out
+        return rms_norm_triton(hidden_states, weight, float(self.variance_epsilon))
 
     return forward

@@ -116,7 +116,8 @@ def hide_checkout_kernels() -> None:
     """Keep a checkout's `kernels/` folder from posing as Hugging Face's `kernels` package.
 
     From a checkout of this repository (tests, benchmarks) the repository root is on sys.path,
-    so the top-level name `kernels` finds our kernels/ folder (installed as asyncengine.kernels).
+    so the top-level name `kernels` finds our kernels/ folder (asyncengine/kernels is a symlink
+    to it: both names' specs resolve to the same files, which is how ours is recognised).
     transformers' `is_kernels_available()`, run when its modelling code is first imported, then
     finds a `kernels` without distribution metadata: it scans every installed distribution for
     one that ships it (about 0.2 s), imports our folder under that name, finds no version and

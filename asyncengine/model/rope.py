@@ -5,7 +5,7 @@ code, so it computes the rotary tables itself. It must compute them exactly as t
 does, because the engine promises the same numbers either way. So every formula below repeats
 transformers' own op for op: `LlamaRotaryEmbedding.forward`, and the "default", "linear" and
 "llama3" inverse-frequency functions of `modeling_rope_utils`. Qwen2, Qwen3 and Mistral share
-them. tests/native/test_cpu_checkpoint.py checks the tables against transformers' bit for bit.
+them. tests/model/test_cpu_checkpoint.py checks the tables against transformers' bit for bit.
 Any other rope type (dynamic, yarn, longrope, ...) is refused here, and such a model loads
 through transformers.
 """

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.fused_cpu import argmax_cpu, supported
+from asyncengine.kernels.argmax_cpu import argmax_cpu
+from asyncengine.kernels.cpu_native import load_native, supported
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 
 # Uniform noise is clamped into [_TINY, _ONE_BELOW] so that -log(u) is finite and > 0: a zero

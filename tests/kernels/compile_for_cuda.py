@@ -77,7 +77,6 @@ def record_launches() -> list[Launch]:
         paged_attention_triton,
         reshape_and_cache_triton,
         rms_norm_triton,
-        rotary_triton,
     )
 
     launches: list[Launch] = []
@@ -85,7 +84,6 @@ def record_launches() -> list[Launch]:
         (paged_attention_triton, ("_decode_kernel", "_reduce_splits_kernel", "_prefill_kernel")),
         (reshape_and_cache_triton, ("_reshape_and_cache_kernel",)),
         (rms_norm_triton, ("_rms_norm_kernel",)),
-        (rotary_triton, ("_rotary_kernel",)),
     ):
         for name in names:
             setattr(module, name, Recorder(getattr(module, name), launches))
@@ -113,13 +111,11 @@ def record_launches() -> list[Launch]:
         )
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.empty(7, 4096, dtype=dtype, device=meta)
-        rms_norm_triton.rms_norm_triton(x, torch.empty(4096, dtype=dtype, device=meta), 1e-6, x)
+        residual = torch.empty(7, 4096, dtype=dtype, device=meta)
+        rms_norm_triton.rms_norm_triton(
+            x, torch.empty(4096, dtype=dtype, device=meta), 1e-6, residual
+        )
         rms_norm_triton.rms_norm_triton(x, torch.empty(4096, dtype=dtype, device=meta), 1e-6)
-        q = torch.empty(7, 32, 128, dtype=dtype, device=meta)
-        cos_sin = torch.empty(4096, 128, dtype=torch.float32, device=meta)
-        positions = torch.empty(7, dtype=torch.int64, device=meta)
-        for is_neox in (True, False):
-            rotary_triton.rotary_embedding_triton(positions, q, q[:, :8], cos_sin, is_neox)
     return launches
 
 

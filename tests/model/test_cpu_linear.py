@@ -3,7 +3,6 @@ from the native decode-sized kernel), and the engine uses them in bf16."""
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.kernels import cpu_native
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, silu_mul_cpu
-from asyncengine.model import cpu_linear
+from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
+from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.model.cpu_linear import NATIVE_MAX_ROWS, PackedLinear, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(
@@ -52,60 +50,6 @@ def test_packed_linear_is_f_linear(shape: tuple[int, ...], bias: bool) -> None:
         assert (got != want).float().mean() < 0.01
 
 
-def _call_native(lib: object, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    n, k = weight.shape
-    packed_k = cpu_linear._packed_k(weight, packed)
-    assert packed_k is not None
-    out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
-    lib.linear_bf16(  # type: ignore[attr-defined]
-        x.data_ptr(), x.stride(0), x.shape[0], torch.ops.mkldnn.data_ptr(packed), n, k, packed_k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, 2,
-    )  # fmt: skip
-    return out
-
-
-def check_native_linear(lib: object) -> None:
-    """The native kernel against fp32 products over oneDNN's packing of awkward shapes: widths
-    that are not whole 64-column blocks, odd and short input widths, 1-13 and 64 rows, strided
-    rows, with and without bias."""
-    g = torch.Generator().manual_seed(3)
-    for n, k in [(96, 256), (100, 70), (7, 9), (1000, 333), (64, 1)]:
-        weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        bias = torch.randn(n, generator=g).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        for rows in (*range(1, 14), 64):
-            wide = torch.randn(rows, k + 5, generator=g).to(torch.bfloat16)
-            x = wide[:, 2 : 2 + k]  # rows k + 5 apart, an odd start
-            for b in (bias, None):
-                got = _call_native(lib, x, packed, weight, b)
-                want = x.float() @ weight.float().T + (0 if b is None else b.float())
-                # one bf16 rounding of an fp32 sum: within half a bf16 step, plus fp32 noise
-                tol = want.abs() * 2**-8 + 1e-3 * (k**0.5)
-                assert bool(((got.float() - want).abs() <= tol).all()), (n, k, rows)
-
-
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
-def test_native_linear_reads_the_packed_weight() -> None:
-    check_native_linear(load_native())
-
-
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march names")
-def test_native_linear_portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Without AVX512-BF16 the kernel runs its portable loops (and PackedLinear keeps oneDNN).
-    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
-    monkeypatch.setenv(cpu_native.MARCH_ENV, "x86-64")
-    cpu_native.load_native.cache_clear()
-    try:
-        lib = cpu_native.load_native()
-        assert lib is not None and not lib.linear_bf16_fast
-        check_native_linear(lib)
-        assert PackedLinear(nn.Linear(64, 64, dtype=torch.bfloat16))._native is None
-    finally:
-        cpu_native.load_native.cache_clear()
-
-
 @pytest.mark.skipif(not _native_routes(), reason="the native kernel's fast path is not built")
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_gate_up_silu_is_the_two_steps_bit_for_bit(bias: bool) -> None:
@@ -137,7 +81,7 @@ def test_fused_gate_up_silu_is_the_two_steps_bit_for_bit(bias: bool) -> None:
 @pytest.mark.skipif(not _native_routes(), reason="the native kernel's fast path is not built")
 @pytest.mark.parametrize(("n", "bias"), [(576, False), (1024, True), (80, False)])
 def test_fused_projection_add_rms_norm_is_the_two_steps_bit_for_bit(n: int, bias: bool) -> None:
-    # A projection's add_rms_norm(x, residual, ...) against its product then add_rms_norm_cpu:
+    # A projection's add_rms_norm(x, residual, ...) against its product then rms_norm_cpu:
     # the same normed rows and the same residual afterwards, bit for bit, on 1-128 rows with a
     # residual whose rows are strided.
     g = torch.Generator().manual_seed(7)
@@ -155,7 +99,7 @@ def test_fused_projection_add_rms_norm_is_the_two_steps_bit_for_bit(n: int, bias
         got_res, want_res = wide.clone()[:, :n], wide.clone()[:, :n]
         with torch.inference_mode():
             got = packed.add_rms_norm(x, got_res, weight, 1e-5)
-            want = add_rms_norm_cpu(packed(x), want_res, weight, 1e-5)
+            want = rms_norm_cpu(packed(x), weight, 1e-5, want_res)
         assert got is not None and torch.equal(got, want), rows
         assert torch.equal(got_res, want_res), rows
     with torch.inference_mode():  # where it does not apply it says so
@@ -163,20 +107,6 @@ def test_fused_projection_add_rms_norm_is_the_two_steps_bit_for_bit(n: int, bias
         res = torch.zeros(NATIVE_MAX_ROWS + 1, n, dtype=torch.bfloat16)
         assert packed.add_rms_norm(big, res, weight, 1e-5) is None
         assert packed.add_rms_norm(big[:3], res[:3].float(), weight, 1e-5) is None
-
-
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
-def test_a_packing_in_another_layout_is_refused() -> None:
-    g = torch.Generator().manual_seed(4)
-    weight = torch.randn(128, 64, generator=g).to(torch.bfloat16)
-    assert cpu_linear._packed_k(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)) == 64
-    # Another weight's packing (as a layout the sample check does not recognise would be).
-    other_weight = torch.randn(128, 64, generator=g).to(torch.bfloat16)
-    other = torch.ops.mkldnn._reorder_linear_weight(other_weight, 64)
-    assert cpu_linear._packed_k(weight, other) is None
-    # A packing of another size.
-    smaller = torch.ops.mkldnn._reorder_linear_weight(weight[:, :32].contiguous(), 64)
-    assert cpu_linear._packed_k(weight, smaller) is None
 
 
 def test_only_half_precision_models_are_packed() -> None:

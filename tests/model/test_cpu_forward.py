@@ -18,76 +18,11 @@ from torch import nn
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.fused_cpu import add_rms_norm_cpu, rotary_cpu
 from asyncengine.model import cpu_checkpoint, cpu_forward
 from asyncengine.testing.models import TINY_ARCHITECTURES
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
 pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype: torch.dtype) -> None:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    g = torch.Generator().manual_seed(2)
-    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
-    norm.weight.data = torch.randn(96, generator=g).to(dtype)
-    x = (torch.randn(37, 96, generator=g) * 3).to(dtype)
-    residual = torch.randn(37, 96, generator=g).to(dtype)
-    want_residual = residual + x
-    want = norm(want_residual)
-    got = add_rms_norm_cpu(x, residual, norm.weight, 1e-5)
-    assert torch.equal(residual, want_residual)  # the add rounds once, as torch's
-    if dtype == torch.bfloat16:  # the norm rounds where transformers' does: bit for bit
-        assert torch.equal(got, want)
-    else:  # another summation order (fp32); a rare last-bit difference (fp16)
-        tol = 1e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_norms", [False, True])
-def test_rotary_is_transformers_rotary(dtype: torch.dtype, head_norms: bool) -> None:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-    g = torch.Generator().manual_seed(3)
-    num_tokens, hq, hkv, d = 13, 6, 2, 32
-    # q and k as column views of one [T, (hq + 2 hkv) * D] projection, as the forward has them.
-    qkv = (torch.randn(num_tokens, hq + 2 * hkv, d, generator=g) * 2).to(dtype)
-    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
-    pos = torch.arange(100, 100 + num_tokens).float()
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [T, D], as LlamaRotaryEmbedding
-    want_q, want_k = q.clone(), k.clone()
-    q_norm = k_norm = None
-    if head_norms:  # Qwen3 normalises each head first
-        q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6).to(dtype), Qwen3RMSNorm(d, eps=1e-6).to(dtype)
-        q_norm.weight.data = torch.randn(d, generator=g).to(dtype)
-        k_norm.weight.data = torch.randn(d, generator=g).to(dtype)
-        want_q, want_k = q_norm(want_q), k_norm(want_k)
-    # transformers' layout: [B, H, T, D] with cos/sin [B, T, D]
-    want_q, want_k = apply_rotary_pos_emb(
-        want_q.transpose(0, 1)[None], want_k.transpose(0, 1)[None], cos[None], sin[None]
-    )
-    rotary_cpu(
-        q, k, cos, sin,
-        q_norm.weight if q_norm is not None else None,
-        k_norm.weight if k_norm is not None else None,
-        1e-6,
-    )  # fmt: skip
-    got_q, got_k = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
-    if head_norms and dtype != torch.bfloat16:  # the norms' summation order
-        tol = 1e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
-        torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
-    else:  # every product and sum rounded as torch rounds it, no FMA: bit for bit
-        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(qkv[:, hq + hkv :], qkv[:, hq + hkv :].clone())  # v untouched
 
 
 def _prompts() -> list[list[int]]:
@@ -195,53 +130,6 @@ def test_projections_are_joined_only_when_that_changes_nothing() -> None:
     assert cpu_forward._joint([plain[0], nn.Identity()]) is None
     # fp32 GEMMs are not joined (MKL's kernels depend on the output width).
     assert cpu_forward._joint([nn.Linear(16, 8), nn.Linear(16, 4)]) is None  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_writes_the_cache_as_the_cache_writer(dtype: torch.dtype) -> None:
-    from asyncengine.kernels.paged_attention_cpu import reshape_and_cache_cpu
-
-    g = torch.Generator().manual_seed(4)
-    num_tokens, hq, hkv, d = 9, 4, 2, 16
-    qkv = torch.randn(num_tokens, hq + 2 * hkv, d, generator=g).to(dtype)
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-    cos, sin = (
-        torch.randn(num_tokens, d, generator=g).to(dtype),
-        torch.rand(num_tokens, d).to(dtype),
-    )
-    slots = torch.tensor([3, 17, 18, 40, -1, 5, 0, 33, 47])  # -1: padding, not written
-    want_q, want_k = q.clone(), k.clone()
-    rotary_cpu(want_q, want_k, cos, sin)
-    want_cache = torch.zeros(2, hkv, 3, 16, d, dtype=dtype)
-    reshape_and_cache_cpu(want_k, v, want_cache, slots)
-    cache = torch.zeros_like(want_cache)
-    rotary_cpu(q, k, cos, sin, value=v, kv_cache=cache, slot_mapping=slots)
-    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(cache, want_cache)
-    with pytest.raises(ValueError, match="values"):
-        rotary_cpu(q, k, cos, sin, kv_cache=cache, slot_mapping=slots)
-
-
-def test_rotary_rounds_special_values_as_torch() -> None:
-    """The vectorised bf16 path: infinities, NaNs, huge and tiny values round as torch's ops do."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    g = torch.Generator().manual_seed(6)
-    num_tokens, heads, d = 5, 2, 64
-    q = (torch.randn(num_tokens, heads, d, generator=g) * 3).to(torch.bfloat16)
-    k = (torch.randn(num_tokens, heads, d, generator=g) * 3).to(torch.bfloat16)
-    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 3e38, -3e38, 1e-40, 0.0])
-    q[0, 0, : specials.numel()] = specials.to(torch.bfloat16)
-    k[1, 1, 32 : 32 + specials.numel()] = specials.to(torch.bfloat16)
-    cos = torch.randn(num_tokens, d, generator=g).to(torch.bfloat16)
-    sin = torch.randn(num_tokens, d, generator=g).to(torch.bfloat16)
-    want_q, want_k = apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
-    )
-    rotary_cpu(q, k, cos, sin)
-    for got, want in ((q.transpose(0, 1)[None], want_q), (k.transpose(0, 1)[None], want_k)):
-        nan = torch.isnan(want)
-        assert torch.equal(torch.isnan(got), nan)
-        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 @pytest.mark.timeout(300)

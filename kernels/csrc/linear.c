@@ -4,7 +4,7 @@
  * With one to a few rows (one-stream decodes) a linear layer is a matrix-vector product that
  * should run at memory speed, each weight byte read once; oneDNN's one-row kernels reach about
  * half of this machine's bandwidth, and pay more per call. This kernel reads the weight oneDNN
- * packed (cpu_linear.py checks the layout per layer before it routes a layer here):
+ * packed (kernels/linear_cpu.py checks the layout per layer before it routes a layer here):
  * [ceil(N / 64)][Kp / 2][64][2], blocks of 64 output columns, each a run of k-pairs, the two k
  * values of a column's pair adjacent, zero padded to the 64-column block and to Kp (even) in
  * k. That is the layout AVX512-BF16's dot product wants: one 512-bit load holds 16 columns x 2
@@ -15,8 +15,8 @@
  * Arithmetic: products and sums in fp32, each column's sum in k order, the bias added in fp32,
  * one rounding to bf16 at the store. That is oneDNN's order too; its results differ from these
  * in about one value in 50,000 (its blocking of long sums). Without AVX512-BF16 the same loops
- * run on widened values with fp32 FMAs (tests, other CPUs: cpu_linear.py routes layers here
- * only where the fast path was built).
+ * run on widened values with fp32 FMAs (tests, other CPUs: kernels/linear_cpu.py routes
+ * layers here only where the fast path was built).
  */
 
 #include <stdint.h>
@@ -29,6 +29,7 @@
 #include <omp.h>
 #endif
 
+#include "ae_kernels.h"
 #include "bf16.h"
 #include "fast_exp.h"
 
@@ -102,11 +103,6 @@ DEFINE_BLOCK(3)
 DEFINE_BLOCK(4)
 DEFINE_BLOCK(5)
 DEFINE_BLOCK(6)
-
-/* cpu_kernels.c: row r of ae_add_rms_norm, in the calling thread (dt 1: bf16). */
-void ae_add_rms_norm_row(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
-                         void *out, int64_t o_st, const float *w, float *buf, float *other,
-                         int64_t r, int64_t n, float eps);
 
 /* 1 where the vdpbf16ps path was built (else the portable one runs). */
 int ae_linear_bf16_fast(void) {
@@ -272,7 +268,7 @@ void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, 
  * A pre-norm decoder's projection into the residual stream and the norm after it, for
  * decode-sized batches: product = x @ W^T + bias (ae_linear_bf16, into `product`, [M][N]
  * scratch), then `residual += product; out = RMSNorm(residual) * norm_weight` per row
- * (ae_add_rms_norm's code): one call and one thread team instead of two, the rows' norms run
+ * (norms.c's ae_add_rms_norm_row): one call and one thread team instead of two, the rows' norms run
  * by the threads that just computed their columns. Same numbers as the two calls, bit for bit.
  * residual: [M][N], row stride r_st, updated in place; out: [M][N], row stride o_st.
  */
@@ -293,8 +289,8 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
 #pragma omp barrier /* every column of every row is in `product` */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++)
-            ae_add_rms_norm_row(1, product, N, residual, r_st, out, o_st, wn, buf, other, r, N,
-                                eps);
+            ae_add_rms_norm_row(AE_BF16, product, N, residual, r_st, out, o_st, wn, buf, other, r,
+                                N, eps);
         free(wn);
         free(buf);
         free(other);

@@ -1,4 +1,4 @@
-"""Fused RMSNorm (optional residual add), in place: Triton against the torch reference, and the
+"""Fused RMSNorm (optional residual add, in place): Triton against the torch reference, and the
 reference against transformers' LlamaRMSNorm."""
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ def test_matches_reference(
     x = (torch.randn(num_rows, hidden, generator=g) * 3).to(dtype)
     weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     residual = torch.randn(num_rows, hidden, generator=g).to(dtype) if with_residual else None
-    expected_x = x.clone()
     expected_r = residual.clone() if residual is not None else None
-    rms_norm_torch(expected_x, weight, 1e-6, expected_r)
-    got_x = x.to(device)
+    expected_x = rms_norm_torch(x, weight, 1e-6, expected_r)
     got_r = residual.to(device) if residual is not None else None
-    rms_norm_triton(got_x, weight.to(device), 1e-6, got_r)
+    got_x = rms_norm_triton(x.to(device), weight.to(device), 1e-6, got_r)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got_x.cpu(), expected_x, atol=tol, rtol=tol)
     if residual is not None:
@@ -50,12 +48,11 @@ def test_strided_rows(device: str) -> None:
     g = torch.Generator().manual_seed(3)
     base = torch.randn(8, 96, generator=g)
     weight = torch.rand(64, generator=g)
-    expected = base[:, :64].clone()
-    rms_norm_torch(expected, weight, 1e-5)
+    expected = rms_norm_torch(base[:, :64], weight, 1e-5)
     got = base.to(device)
-    rms_norm_triton(got[:, :64], weight.to(device), 1e-5)
-    torch.testing.assert_close(got[:, :64].cpu(), expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[:, 64:].cpu(), base[:, 64:])  # the rest of each row is untouched
+    out = rms_norm_triton(got[:, :64], weight.to(device), 1e-5)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.cpu(), base)  # the input, and the rest of each row, untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,8 +67,9 @@ def test_reference_equals_llama_rms_norm(dtype: torch.dtype) -> None:
     # A pre-norm decoder layer: hidden = residual + hidden; residual = hidden; norm(hidden).
     expected_residual = residual + x
     expected = norm(expected_residual)
-    got = x.clone()
+    got_x = x.clone()
     got_residual = residual.clone()
-    rms_norm_torch(got, norm.weight, 1e-6, got_residual)
+    got = rms_norm_torch(got_x, norm.weight, 1e-6, got_residual)
     assert torch.equal(got_residual, expected_residual)
     assert torch.equal(got, expected)
+    assert torch.equal(got_x, x)  # the input is left as it was

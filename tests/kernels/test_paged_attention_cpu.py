@@ -13,9 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.paged_attention_cpu import (
-    paged_attention_cpu,
-    plan_paged_attention_cpu,
+from asyncengine.kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu
+from asyncengine.kernels.reshape_and_cache_cpu import (
     read_cache_cpu,
     reshape_and_cache_cpu,
     to_cpu_layout,
@@ -121,13 +120,3 @@ def test_decode_over_long_context_and_many_threads() -> None:
     plan.num_threads = 3  # more threads than this machine's cores still splits the work
     out = paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, 0.125)
     assert max_error(out, dense_attention(b, 0.125)) <= TOLERANCE[torch.bfloat16]
-
-
-def test_negative_slots_are_skipped() -> None:
-    cache = torch.zeros(2, 2, 3, 16, 8)
-    key = torch.ones(2, 2, 8)
-    reshape_and_cache_cpu(key, key * 2, cache, torch.tensor([-1, 5]))
-    ref = read_cache_cpu(cache)
-    assert torch.equal(ref[0, :, 0, 5], torch.ones(2, 8))
-    assert torch.equal(ref[1, :, 0, 5], torch.full((2, 8), 2.0))
-    assert int((ref != 0).sum()) == 1 * 2 * 8 * 2  # one token, two heads, K and V

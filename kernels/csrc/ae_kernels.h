@@ -1,0 +1,87 @@
+/*
+ * asyncengine's native CPU kernels: every function the library exports, and the dtype codes.
+ *
+ * The .c files beside this header (one per kernel family: attention.c, rotary_cache.c,
+ * norms.c, activation.c, argmax.c, linear.c) are compiled together into one shared library on
+ * first use by kernels/cpu_native.py, with the system C compiler (`cc -O3 -march=native
+ * -fopenmp`), and called through ctypes: no torch headers, about a second to build. Every .c
+ * file includes this header, and the Python bindings (kernels/cpu_native.py) must match these
+ * declarations (tests/kernels/test_cpu_bindings.py checks them).
+ *
+ * Tensors arrive as data pointers plus strides in elements; `dt` is the dtype of the tensors a
+ * call reads and writes (one of the codes below); `num_threads` is the OpenMP team size to
+ * use (torch's thread count: OpenMP's own setting is per thread). Each function's contract is
+ * written above its definition.
+ */
+#ifndef AE_KERNELS_H
+#define AE_KERNELS_H
+
+#include <stdint.h>
+
+/* Dtype codes: kernels/cpu_native.py's DTYPE_CODES. */
+enum ae_dtype { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
+
+/* ---- Called from Python (ctypes) ---- */
+
+/* attention.c */
+void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
+                        int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
+                        const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                        const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
+                        float scale, int num_threads);
+
+/* rotary_cache.c */
+void ae_reshape_and_cache(int dt, const void *key, int64_t k_st, int64_t k_sh,
+                          const void *value, int64_t v_st, int64_t v_sh, void *kv_cache,
+                          int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                          int64_t head_dim, const int64_t *slot_mapping, int64_t num_tokens,
+                          int num_threads);
+void ae_rotary(int dt, void *q, int64_t q_st, int64_t q_sh, int64_t hq, void *k, int64_t k_st,
+               int64_t k_sh, int64_t hkv, const void *cos, const void *sin, int64_t cs_st,
+               int64_t T, int64_t D, const void *q_norm, const void *k_norm, float eps,
+               const void *v, int64_t v_st, int64_t v_sh, void *kv_cache, int64_t num_blocks,
+               int64_t block_size, const int64_t *slot_mapping, int num_threads);
+
+/* norms.c */
+void ae_rms_norm(int dt, const void *x, int64_t x_st, void *out, int64_t o_st,
+                 const void *weight, int64_t rows, int64_t n, float eps, int num_threads);
+void ae_add_rms_norm(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                     void *out, int64_t o_st, const void *weight, int64_t rows, int64_t n,
+                     float eps, int num_threads);
+
+/* activation.c */
+void ae_silu_mul(int dt, const void *gate, int64_t g_st, const void *up, int64_t u_st, void *out,
+                 int64_t o_st, int64_t rows, int64_t n, int num_threads);
+
+/* argmax.c */
+void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
+                    int num_threads);
+
+/* linear.c (bf16 only, over oneDNN's packed weights) */
+int ae_linear_bf16_fast(void);
+void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
+                    int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads);
+void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
+                         int64_t K, int64_t Kp, const void *bias, void *out, int64_t o_st,
+                         int num_threads);
+void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const void *w,
+                                 int64_t N, int64_t K, int64_t Kp, const void *bias,
+                                 void *product, void *residual, int64_t r_st,
+                                 const void *norm_weight, float eps, void *out, int64_t o_st,
+                                 int num_threads);
+
+/* ---- Shared between the .c files, not called from Python ---- */
+
+/* norms.c: row r of ae_add_rms_norm in the calling thread (linear.c's fused norm runs it). */
+void ae_add_rms_norm_row(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,
+                         void *out, int64_t o_st, const float *w, float *buf, float *other,
+                         int64_t r, int64_t n, float eps);
+
+/* norms.c: RMSNorm of one fp32 row in place (rotary_cache.c's per-head norms run it). Hidden:
+ * not exported from the library, so calls to it are direct. */
+__attribute__((visibility("hidden"))) void rms_norm_row(float *restrict buf,
+                                                        const float *restrict w, int64_t n,
+                                                        float eps, int dt);
+
+#endif

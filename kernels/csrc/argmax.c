@@ -1,0 +1,79 @@
+/*
+ * Greedy sampling's argmax over rows of logits in their own dtype (ae_argmax_rows).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "ae_kernels.h"
+#include "ae_vec.h"
+
+/* argmax of one row of n fp32-widened values at p (dtype dt): see ae_argmax_rows. */
+static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
+    const int64_t es = elem_size(dt);
+    int64_t i = 0;
+    float m = -INFINITY;
+    int nan = 0;
+#ifdef __AVX512F__
+    /* two passes of 16 lanes: the maximum (and whether a NaN is there), then its first index */
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const __m512 v = (__m512)load16_as_f32(p + i * es, dt);
+        vm = _mm512_max_ps(vm, v);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    m = _mm512_reduce_max_ps(vm);
+    nan = unordered != 0;
+#endif
+    for (; i < n; i += LANES) { /* the rest (everything, without AVX-512), 16 at a time */
+        const int64_t c = n - i < LANES ? n - i : LANES;
+        float chunk[LANES];
+        load_f32(p + i * es, chunk, c, dt);
+        for (int64_t t = 0; t < c; t++) {
+            m = chunk[t] > m ? chunk[t] : m;
+            nan |= chunk[t] != chunk[t];
+        }
+    }
+    int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 target = _mm512_set1_ps(m);
+    for (; j + LANES <= n; j += LANES) {
+        const __m512 v = (__m512)load16_as_f32(p + j * es, dt);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                  : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#endif
+    for (; j < n; j++) {
+        float v;
+        load_f32(p + j * es, &v, 1, dt);
+        if (nan ? v != v : v == m) return j;
+    }
+    return 0; /* unreachable for n > 0 */
+}
+
+/*
+ * out[r] = argmax of row r (n values, row stride x_st elements), as torch.argmax: the first
+ * index of the maximum, or of the first NaN when the row has one.
+ */
+void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
+                    int num_threads) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * x_st * es;
+        if (dt == AE_BF16)
+            out[r] = argmax_row(row, n, AE_BF16);
+        else if (dt == AE_F32)
+            out[r] = argmax_row(row, n, AE_F32);
+        else
+            out[r] = argmax_row(row, n, AE_F16);
+    }
+}

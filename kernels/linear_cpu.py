@@ -1,0 +1,136 @@
+"""Decode-sized bf16 linear layers on CPU over oneDNN's packed weights: the native kernels
+(`csrc/linear.c`), with two variants fused with what follows the product.
+
+`asyncengine/model/cpu_linear.py`'s `PackedLinear` reorders each weight into oneDNN's blocked
+layout once; `prepare_linear_cpu` checks that the packed weight lies as the kernels read it,
+[ceil(out / 64)][in_padded / 2][64][2], and returns a `LinearCpu` over it:
+
+- `LinearCpu(x)`: `x @ weight.T + bias` with AVX512-BF16 dot products: one-row products at
+  close to the memory bandwidth (oneDNN's reach about half of it and pay more per call). Its
+  sums run in another order than oneDNN's, so a value may differ in the last bit (about one in
+  50,000 on SmolLM2's shapes).
+- `LinearCpu.silu_mul(x)`: a joint [gate; up] product ending in `silu(gate) * up`, bit for bit
+  `silu_mul_cpu` of the product's halves, without the [rows, 2I] intermediate.
+- `LinearCpu.add_rms_norm(x, residual, weight, eps)`: the product, then `residual += product`
+  and its RMSNorm in the same thread team, bit for bit `rms_norm_cpu(product, weight, eps,
+  residual)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from asyncengine.kernels.cpu_native import NativeKernels, load_native
+
+logger = logging.getLogger(__name__)
+
+NATIVE_BLOCK = 64  # output columns per block of the packed layout the kernels read
+
+
+class LinearCpu:
+    """x [rows, in] -> x @ weight.T + bias by the native kernels over oneDNN's packed weight."""
+
+    def __init__(self, lib: NativeKernels, packed: torch.Tensor, packed_k: int,
+                 shape: tuple[int, int], bias: torch.Tensor | None) -> None:  # fmt: skip
+        self._lib = lib
+        self._packed = packed  # the kernels read its memory: keep it alive
+        self._address = torch.ops.mkldnn.data_ptr(packed)
+        self._packed_k = packed_k
+        self._n, self._k = shape
+        self._bias = None if bias is None else bias.detach().contiguous()
+        self._bias_address = None if self._bias is None else self._bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self._n, dtype=torch.bfloat16)
+        self._lib.linear_bf16(
+            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
+            self._packed_k, self._bias_address, out.data_ptr(), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [rows, in]
+        residual: torch.Tensor,  # [rows, out], rows of unit stride, updated in place
+        weight: torch.Tensor,  # [out] the norm's weight, bf16
+        eps: float,
+    ) -> torch.Tensor:  # [rows, out]
+        """residual += the product, in place; its RMSNorm times weight, as a new tensor."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        product = torch.empty(rows, self._n, dtype=torch.bfloat16)
+        out = torch.empty(rows, self._n, dtype=torch.bfloat16)
+        w = weight.contiguous()
+        self._lib.linear_add_rms_norm_bf16(
+            x.data_ptr(), x.stride(0), rows, self._address, self._n, self._k, self._packed_k,
+            self._bias_address, product.data_ptr(), residual.data_ptr(), residual.stride(0),
+            w.data_ptr(), eps, out.data_ptr(), self._n, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out / 2]
+        """silu(g) * u for this [gate; up] product's halves (out a multiple of 128)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        inter = self._n // 2
+        out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+        self._lib.linear_silu_bf16(
+            x.data_ptr(), x.stride(0), x.shape[0], self._address, self._n, self._k,
+            self._packed_k, self._bias_address, out.data_ptr(), inter, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def prepare_linear_cpu(
+    weight: torch.Tensor,  # [out, in] the plain weight
+    bias: torch.Tensor | None,  # [out]
+    packed: torch.Tensor,  # oneDNN's reordering of weight (torch.ops.mkldnn)
+) -> LinearCpu | None:
+    """The native kernels' product over `packed`, or None where they do not apply: not bf16,
+    not built with AVX512-BF16, or packed in another layout."""
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    lib = load_native()
+    if lib is None or not lib.linear_bf16_fast:
+        return None
+    packed_k = _packed_k(weight, packed)
+    if packed_k is None:
+        logger.info("oneDNN packed a %s weight in a layout the native kernel does not read",
+                    tuple(weight.shape))  # fmt: skip
+        return None
+    n, k = weight.shape
+    return LinearCpu(lib, packed, packed_k, (n, k), bias)
+
+
+def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The padded input extent of `packed` if it holds `weight` as the native kernel reads it,
+    [ceil(out / 64)][in_padded / 2][64][2]: checked on the sizes and on a sample of values."""
+    n, k = weight.shape
+    blocks = -(-n // NATIVE_BLOCK)
+    try:
+        nbytes = int(torch.ops.mkldnn._nbytes(packed))
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (RuntimeError, AttributeError):  # a torch without these accessors
+        return None
+    packed_k, rest = divmod(nbytes // 2, blocks * NATIVE_BLOCK)
+    if nbytes % 2 or rest or packed_k % 2 or packed_k < k:
+        return None
+    raw = (ctypes.c_uint16 * (nbytes // 2)).from_address(address)
+    values = torch.frombuffer(raw, dtype=torch.int16)  # a view of the packed weight, no copy
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, n, (256,), generator=g)
+    cols = torch.randint(0, k, (256,), generator=g)
+    where = (
+        (rows // NATIVE_BLOCK) * (packed_k * NATIVE_BLOCK)
+        + (cols // 2) * (2 * NATIVE_BLOCK)
+        + (rows % NATIVE_BLOCK) * 2
+        + cols % 2
+    )
+    want = weight.detach()[rows, cols].view(torch.int16)
+    return packed_k if torch.equal(values[where], want) else None
