@@ -2,7 +2,7 @@
 
 - `a`: a random Llama, hidden 256, 4 layers, 8/4 heads, vocab 32000 (~20M parameters).
 - `b`: SmolLM2-135M-Instruct, the engine's embedded default model (converted by
-  `asyncengine.model.default_model`, which keeps it in its own cache).
+  `asyncengine.entrypoints.default_model`, which keeps it in its own cache).
 - `c`: a random Llama, hidden 1024, 8 layers, 16/8 heads, vocab 32000 (~160M parameters);
   built only when asked for.
 """
@@ -88,9 +88,11 @@ def _random_llama(name: str, cache_dir: Path) -> Path:
 
 def _default_model() -> Path:
     try:
-        from asyncengine.model.default_model import default_model_dir
+        from asyncengine.entrypoints.default_model import default_model_dir
     except ImportError as exc:
-        raise ModelUnavailable(f"asyncengine.model.default_model is not importable: {exc}") from exc
+        raise ModelUnavailable(
+            f"asyncengine.entrypoints.default_model is not importable: {exc}"
+        ) from exc
     try:
         return default_model_dir()
     except Exception as exc:  # a missing package, a failed conversion: skip, don't crash

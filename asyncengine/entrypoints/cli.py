@@ -188,8 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     """`asyncengine demo`: a few chat answers from the default model, then tokens/s."""
+    from asyncengine.entrypoints.default_model import default_model_dir
     from asyncengine.entrypoints.llm import LLM
-    from asyncengine.model.default_model import default_model_dir
     from asyncengine.sampling_params import SamplingParams
 
     start = time.perf_counter()
@@ -226,7 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     model = args.model
     if model == "default" and not Path(model).is_dir():
-        from asyncengine.model.default_model import default_model_dir
+        from asyncengine.entrypoints.default_model import default_model_dir
 
         model = default_model_dir()
     engine = LLMEngine.from_kwargs(model, **engine_kwargs_from_args(args))
@@ -269,7 +269,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model = args.model
     if model == "default" and not Path(model).is_dir():
-        from asyncengine.model.default_model import default_model_dir
+        from asyncengine.entrypoints.default_model import default_model_dir
 
         model = default_model_dir()
     app = build_app(

@@ -123,10 +123,6 @@ class _Plan:
             raise _NotLean(f"attention backend {mc.attention_backend!r}, not 'cpu'")
         if mc.architecture not in _ARCHITECTURES:
             raise _NotLean(f"architecture {mc.architecture!r} is not one of {_ARCHITECTURES}")
-        from asyncengine.kernels.cpu_native import load_native
-
-        if load_native() is None:
-            raise _NotLean("the native CPU kernels are unavailable")
         model_dir = Path(mc.model)
         hf: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
         if "text_config" in hf:

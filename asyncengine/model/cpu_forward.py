@@ -256,11 +256,8 @@ def _project_qkv(
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why this forward can't run `model` (None: it can). Needs the native kernels."""
-    from asyncengine.kernels.cpu_native import load_native
-
-    if load_native() is None:
-        return "the native CPU kernels are unavailable"
+    """Why this forward can't run `model` (None: it can). The caller has checked that the
+    native kernels are built (`loader.choose_model`)."""
     arch = type(model).__name__
     layer_cls = _ARCHITECTURES.get(arch)
     if layer_cls is None:

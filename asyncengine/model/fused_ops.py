@@ -46,14 +46,10 @@ GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 def use_native_cpu_ops(model: torch.nn.Module) -> tuple[int, int]:
     """Route Llama-style RMSNorms and SiLU-gated MLPs of `model` through the native kernels.
 
-    Returns how many norm and MLP modules were switched: none where the kernels are unavailable
-    (no C compiler; the model then runs as transformers defines it). Inputs the kernels don't
-    take (mixed dtypes) go through the original forward.
+    Returns how many norm and MLP modules were switched. Only where the native kernels are
+    built (`loader.choose_model`: without them the model runs as transformers defines it).
+    Inputs the kernels don't take (mixed dtypes) go through the original forward.
     """
-    from asyncengine.kernels.cpu_native import load_native
-
-    if load_native() is None:
-        return 0, 0
     norms = mlps = 0
     for module in model.modules():
         name = type(module).__name__

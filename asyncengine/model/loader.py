@@ -1,43 +1,81 @@
-"""Load a decoder-only transformers model from a local folder, with paged attention plugged in."""
+"""Which model implementation runs a config, chosen once, and loading it.
+
+`choose_model` is the one place that decides between the two `ModelForward`s: the lean CPU
+forward built straight from the checkpoint (no transformers in the process), or a
+transformers model (which, on CPU, may still run through the lean forward once loaded; see
+`transformers_model.load_transformers_forward`). Start-up (`import_model_code`) and loading
+(`load_model_forward`) both follow it.
+"""
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import logging
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from asyncengine.config import ModelConfig
-from asyncengine.errors import UnsupportedModelError
-from asyncengine.model import attention
+from asyncengine.model.interface import ModelForward
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_class(model_config: ModelConfig) -> type[torch.nn.Module]:
-    """The transformers class for the architecture, or UnsupportedModelError naming it."""
-    hide_checkout_kernels()
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """What runs a model config. `native_cpu`: the native CPU kernels are built and the
+    attention backend is "cpu" (the only way either lean path or the fused ops run)."""
 
-    arch = model_config.architecture
-    supported = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    cls = getattr(transformers, arch, None) if arch in supported else None
-    if cls is None:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported: asyncengine serves decoder-only causal "
-            "language models that transformers defines (e.g. LlamaForCausalLM, "
-            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
-        )
-    if not getattr(cls, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported: its attention does not go through "
-            "transformers' attention interface, so paged attention cannot be plugged in"
-        )
-    return cls  # type: ignore[no-any-return]
+    lean_checkpoint: bool  # CpuForward straight from the safetensors files
+    native_cpu: bool
+    reason: str | None  # why not the lean checkpoint path
+
+
+def choose_model(model_config: ModelConfig, *, tensor_parallel: bool = False) -> ModelChoice:
+    """The implementation for `model_config`: decided here and nowhere else."""
+    native = model_config.attention_backend == "cpu" and _native_kernels_available()
+    if tensor_parallel:
+        reason: str | None = "tensor parallel shards a transformers model"
+    elif model_config.attention_backend != "cpu":
+        reason = f"attention backend {model_config.attention_backend!r}, not 'cpu'"
+    elif not native:
+        reason = "the native CPU kernels are unavailable"
+    else:
+        # Imported here: import_model_code imports it with the GC paused.
+        from asyncengine.model import cpu_checkpoint
+
+        reason = cpu_checkpoint.lean_checkpoint_reason(model_config)
+    return ModelChoice(reason is None, native, reason)
+
+
+def load_model_forward(
+    model_config: ModelConfig,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_world_size: int = 1,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> ModelForward:
+    """Load the model `choose_model` picks, on `device` (this rank's shard under TP)."""
+    choice = choose_model(model_config, tensor_parallel=tp_world_size > 1)
+    if choice.lean_checkpoint:
+        from asyncengine.model import cpu_checkpoint
+
+        # Straight from the checkpoint: transformers is never imported.
+        return cpu_checkpoint.load_cpu_forward(model_config)
+    logger.info("loading through transformers: %s", choice.reason)
+    from asyncengine.model.transformers_model import load_transformers_forward
+
+    return load_transformers_forward(
+        model_config, device, choice.native_cpu, tp_rank, tp_world_size, all_reduce
+    )
+
+
+def _native_kernels_available() -> bool:
+    from asyncengine.kernels.cpu_native import load_native
+
+    return load_native() is not None
 
 
 def import_model_code(
@@ -84,54 +122,8 @@ def import_model_code(
 
 
 def _import_for(model_config: ModelConfig, tensor_parallel: bool) -> None:
-    if not tensor_parallel and model_config.attention_backend == "cpu":
-        from asyncengine.model.cpu_checkpoint import lean_checkpoint_reason
+    if choose_model(model_config, tensor_parallel=tensor_parallel).lean_checkpoint:
+        return  # torch and the lean loader only, imported by choose_model
+    from asyncengine.model.transformers_model import resolve_model_class
 
-        if lean_checkpoint_reason(model_config) is None:
-            return
     resolve_model_class(model_config)
-
-
-def load_model(model_config: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """Load weights in the configured dtype onto `device`, in eval mode, paged attention on."""
-    from transformers.utils import logging as hf_logging
-
-    cls = resolve_model_class(model_config)
-    attention.register()
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    dtype = getattr(torch, model_config.dtype)
-    model = cls.from_pretrained(  # type: ignore[attr-defined]
-        model_config.model,
-        dtype=dtype,
-        attn_implementation=attention.ATTN_IMPLEMENTATION,
-        device_map=None,
-    )
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    return model  # type: ignore[no-any-return]
-
-
-def hide_checkout_kernels() -> None:
-    """Keep a checkout's `kernels/` folder from posing as Hugging Face's `kernels` package.
-
-    From a checkout of this repository (tests, benchmarks) the repository root is on sys.path,
-    so the top-level name `kernels` finds our kernels/ folder (asyncengine/kernels is a symlink
-    to it: both names' specs resolve to the same files, which is how ours is recognised).
-    transformers' `is_kernels_available()`, run when its modelling code is first imported, then
-    finds a `kernels` without distribution metadata: it scans every installed distribution for
-    one that ships it (about 0.2 s), imports our folder under that name, finds no version and
-    answers False. A None in sys.modules is how the import system says "not installed":
-    `find_spec` returns None, so transformers gives the same answer at once, and `import kernels`
-    raises ImportError instead of handing out our folder under another package's name. Nothing
-    else changes: filtering sys.path instead (reverted in 7b28885) broke importlib.metadata
-    lookups in the engine core. A no-op where `kernels` is something else, or absent.
-    """
-    if "kernels" in sys.modules:
-        return
-    top = importlib.util.find_spec("kernels")
-    ours = importlib.util.find_spec("asyncengine.kernels")
-    if top is None or ours is None or top.origin is None or ours.origin is None:
-        return
-    if Path(top.origin).resolve() == Path(ours.origin).resolve():
-        sys.modules["kernels"] = None  # type: ignore[assignment]

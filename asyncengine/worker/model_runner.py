@@ -15,8 +15,8 @@ import torch
 from asyncengine.config import CacheConfig, ModelConfig
 from asyncengine.ipc.messages import LogprobsEntry
 from asyncengine.model.attention import AttentionMetadata, get_backend
-from asyncengine.model.cpu_forward import CpuForward
-from asyncengine.model.loader import load_model
+from asyncengine.model.interface import ModelForward
+from asyncengine.model.loader import load_model_forward
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
@@ -41,8 +41,8 @@ class CachedRequestState:
 
 @dataclass(slots=True)
 class _BatchInputs:
-    input_ids: torch.Tensor  # [1, T]
-    positions: torch.Tensor  # [1, T]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] packed positions whose logits are sampled
     sample_req_ids: list[str]
@@ -68,51 +68,20 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self.model: torch.nn.Module | None = None
-        # The lean CPU forward (model/cpu_forward.py) where it takes the model; else None and
-        # the model runs through transformers.
-        self.cpu_forward: CpuForward | None = None
+        self.model: ModelForward | None = None  # load_model()
         # Resolve the attention backend now, so a missing triton fails at start-up.
         get_backend(model_config.attention_backend, device)
 
     def load_model(self) -> None:
-        if self.device.type == "cpu" and self.tp is None:
-            from asyncengine.model import cpu_checkpoint
-
-            reason = cpu_checkpoint.lean_checkpoint_reason(self.model_config)
-            if reason is None:
-                # Straight from the checkpoint: transformers is never imported.
-                self.cpu_forward = cpu_checkpoint.load_cpu_forward(self.model_config)
-                return
-            logger.info("loading through transformers: %s", reason)
-        self.model = load_model(self.model_config, self.device)
-        if self.tp is not None:
-            from asyncengine.model.tensor_parallel import shard_model
-
-            shard_model(self.model, self.tp.rank, self.tp.world_size, self.tp.all_reduce)
-        if self.device.type == "cpu":
-            from asyncengine.model import cpu_forward
-            from asyncengine.model.cpu_linear import pack_linear_layers
-
-            lean = (
-                self.model_config.attention_backend == "cpu"
-                and cpu_forward.unsupported_reason(self.model) is None
-            )
-            if lean:  # before packing: it joins linear layers
-                cpu_forward.join_projections(self.model)
-            # After sharding: the shards are what each rank multiplies by.
-            pack_linear_layers(self.model, self.dtype)
-            if lean:
-                self.cpu_forward = cpu_forward.CpuForward.from_model(self.model)
-            elif self.model_config.attention_backend == "cpu":
-                from asyncengine.model.fused_ops import use_native_cpu_ops
-
-                use_native_cpu_ops(self.model)
-        elif self.model_config.attention_backend == "triton":
-            from asyncengine.model.fused_ops import use_triton_rms_norm
-
-            # On GPUs the Triton kernels also take the RMSNorms (one pass instead of ~7 ops).
-            use_triton_rms_norm(self.model, self.device)
+        """Load the model `loader.choose_model` picks (this rank's shard under TP)."""
+        tp = self.tp
+        self.model = load_model_forward(
+            self.model_config,
+            self.device,
+            tp.rank if tp is not None else 0,
+            tp.world_size if tp is not None else 1,
+            tp.all_reduce if tp is not None else None,
+        )
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -135,21 +104,11 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        assert self.model is not None or self.cpu_forward is not None, "load_model() first"
+        assert self.model is not None, "load_model() first"
         batch = self._prepare_inputs(scheduler_output)
         # Only the driver rank samples: the others skip the lm_head entirely.
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
-        if self.cpu_forward is not None:
-            logits = self.cpu_forward(batch.input_ids[0], batch.positions[0], batch.attn, keep)
-        else:
-            assert self.model is not None
-            logits = self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.positions,
-                logits_to_keep=keep,
-                use_cache=False,
-                asyncengine_attn=batch.attn,
-            ).logits[0]  # [S, V]
+        logits = self.model(batch.input_ids, batch.positions, batch.attn, keep)  # [S, V]
         return self._sample(scheduler_output, batch, logits)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -210,8 +169,8 @@ class ModelRunner:
         )
         logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
         return _BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev)[None],
-            positions=torch.from_numpy(pos).to(dev)[None],
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(pos).to(dev),
             attn=attn,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sample_req_ids=[req_ids[i] for i in sample_rows],

@@ -84,7 +84,6 @@ class Worker:
         runner.kv_caches = []
         if level >= 2:
             runner.model = None
-            runner.cpu_forward = None
         self._sleep_level = max(self._sleep_level, level)
         _release_memory(self.device)
 

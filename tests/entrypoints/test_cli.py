@@ -21,8 +21,7 @@ import pytest
 
 from asyncengine import config as config_module
 from asyncengine.config import EngineConfig
-from asyncengine.entrypoints import cli
-from asyncengine.model import default_model
+from asyncengine.entrypoints import cli, default_model
 
 ALL_ENGINE_FLAGS = [
     "--dtype", "bfloat16",

@@ -19,6 +19,7 @@ from torch import nn
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import load_native
 from asyncengine.model import cpu_checkpoint, cpu_forward
+from asyncengine.model.transformers_model import TransformersModel
 from asyncengine.testing.models import TINY_ARCHITECTURES
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
@@ -110,7 +111,7 @@ def test_models_it_does_not_take_run_through_transformers(
     llm = LLM(model_dir, dtype="float32")
     try:
         runner = llm.engine.engine_core.executor.worker.model_runner  # type: ignore[attr-defined]
-        assert runner.cpu_forward is None
+        assert isinstance(runner.model, TransformersModel)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
     finally:

@@ -15,6 +15,7 @@ from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import load_native
 from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
+from asyncengine.model.cpu_forward import CpuForward
 from asyncengine.model.cpu_linear import NATIVE_MAX_ROWS, PackedLinear, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(
@@ -129,7 +130,8 @@ def test_bf16_engine_runs_packed_and_matches_unpacked(
         llm = LLM(model_dir, dtype="bfloat16")
         runner = llm.engine.engine_core.executor.worker.model_runner
         # The lean CPU forward, loaded straight from the checkpoint, holds the layers.
-        layers = runner.cpu_forward.linear_layers()
+        assert isinstance(runner.model, CpuForward)
+        layers = runner.model.linear_layers()
         packed = sum(isinstance(m, PackedLinear) for m in layers)
         outs = llm.generate(prompts, params, use_tqdm=False)
         logprobs = [next(iter(o.outputs[0].logprobs[-1].values())).logprob for o in outs]
