@@ -176,6 +176,8 @@ class OutputProcessor:
 
     @staticmethod
     def _failure(state: RequestState, exc: Exception) -> EngineGenerateError:
+        if isinstance(exc, EngineGenerateError):  # the core failed it
+            return EngineGenerateError(f"request {state.request_id!r} failed in the engine: {exc}")
         error = EngineGenerateError(
             f"request {state.request_id!r} failed while its output was processed: "
             f"{type(exc).__name__}: {exc}"
@@ -191,7 +193,10 @@ class OutputProcessor:
     def _apply(
         self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float
     ) -> bool:
-        """Fold one core output into `seq`; True when a stop string ended it here."""
+        """Fold one core output into `seq`; True when a stop string ended it here.
+        Raises EngineGenerateError for a request the core failed."""
+        if out.error is not None:
+            raise EngineGenerateError(out.error)
         metrics = state.metrics
         if metrics.first_token_time is None and out.new_token_ids:
             metrics.first_token_time = now

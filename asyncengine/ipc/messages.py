@@ -49,6 +49,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # this request failed in the core (it is finished, with ABORT)
 
     @property
     def finished(self) -> bool:

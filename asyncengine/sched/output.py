@@ -46,6 +46,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
         return self.total_num_scheduled_tokens == 0
 
 
+# Sampled in place of a token when a request's logits were NaN (its parameters met the model
+# badly, or the model broke on its input): the scheduler ends that request alone, with an error.
+INVALID_TOKEN_ID = -1
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     """Tokens sampled in one step, one entry per scheduled request, in batch order."""
 

@@ -21,6 +21,7 @@ from asyncengine.ipc.messages import (
 from asyncengine.request_limits import RequestLimits
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.output import (
+    INVALID_TOKEN_ID,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -195,7 +196,12 @@ class Scheduler:
             if request is None or not token_ids:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
             new_token_ids: list[int] = []
+            error = None
             for token_id in token_ids:
+                if token_id == INVALID_TOKEN_ID:
+                    request.finish_reason = FinishReason.ABORT
+                    error = "the model's logits for this request were NaN: nothing to sample"
+                    break
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
@@ -209,6 +215,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=error,
                 )
             )
             if request.finish_reason is not None:

@@ -66,6 +66,21 @@ def _core_delay_steps(core: EngineCore, seconds: float) -> None:
     executor.execute_model = delayed  # type: ignore[method-assign]
 
 
+def _core_nan_logits(core: EngineCore, request_id: str) -> None:
+    """The next logits sampled for `request_id` are NaN, as a model that breaks on one input
+    gives (the worker in this process: the "uni" executor only)."""
+    runner = core.executor.worker.model_runner  # type: ignore[attr-defined]
+    original = runner._sample
+
+    def poisoned(scheduler_output: Any, batch: Any, logits: Any) -> Any:
+        if request_id in batch.sample_req_ids:
+            runner._sample = original
+            logits[batch.sample_req_ids.index(request_id)] = float("nan")
+        return original(scheduler_output, batch, logits)
+
+    runner._sample = poisoned
+
+
 def _core_collective_rpc(core: EngineCore, method: str, *args: Any) -> list[Any]:
     """Call a worker method on every rank (e.g. a worker's own fault injection below)."""
     return core.executor.collective_rpc(method, args=args, timeout=30.0)
@@ -80,6 +95,7 @@ CORE_HOOKS = {
     "testing_fail_next_step": _core_fail_next_step,
     "testing_hang_next_step": _core_hang_next_step,
     "testing_delay_steps": _core_delay_steps,
+    "testing_nan_logits": _core_nan_logits,
     "testing_collective_rpc": _core_collective_rpc,
     "testing_notify_executor_failure": _core_notify_executor_failure,
 }

@@ -19,6 +19,7 @@ from asyncengine.model.interface import ModelForward
 from asyncengine.model.loader import load_model_forward
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    INVALID_TOKEN_ID,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -190,7 +191,12 @@ class ModelRunner:
                     states, self.model_config.vocab_size, logits.device
                 )
                 out = self.sampler.forward(logits[:, : self.model_config.vocab_size], metadata)
-                sampled = out.sampled_token_ids.tolist()
+                # A NaN logit sampled means a broken row (argmax and the exponential race both
+                # pick NaN first): that request fails alone. O(S), and in the same sync.
+                picked = logits.gather(1, out.sampled_token_ids[:, None])[:, 0]  # [S]
+                sampled = torch.where(
+                    picked.isnan(), INVALID_TOKEN_ID, out.sampled_token_ids
+                ).tolist()
             if self.tp is not None:
                 # Every rank appends the driver's tokens, so the next step's inputs agree.
                 sampled = self.tp.broadcast_token_ids(sampled, len(batch.sample_req_ids))

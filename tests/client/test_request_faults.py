@@ -15,6 +15,7 @@ from async_helpers import ENGINE_KW, wait_until_idle
 from asyncengine import AsyncLLM, EngineGenerateError, SamplingParams
 from asyncengine.client.detokenizer import IncrementalDetokenizer
 from asyncengine.outputs import RequestOutput
+from asyncengine.testing import fault_injection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,3 +70,32 @@ async def test_a_failing_request_ends_alone(
         await engine.check_health()
         stats = await wait_until_idle(engine)
         assert stats.num_free_kv_blocks == stats.num_kv_blocks  # the bad one's blocks too
+
+
+async def test_nan_logits_fail_their_request_alone(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(*fault_injection.ENV)
+    async with AsyncLLM.from_pretrained(tiny_llama, **ENGINE_KW) as engine:
+        await engine._call_utility("testing_nan_logits", "bad")
+        finals: list[RequestOutput] = []
+        errors: list[EngineGenerateError] = []
+
+        async def one(prompt: list[int], request_id: str) -> None:
+            try:
+                async for out in engine.generate(prompt, PARAMS, request_id=request_id):
+                    if out.finished:
+                        finals.append(out)
+            except EngineGenerateError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, [9, 9, 9], "bad")
+            for i in range(3):
+                tg.start_soon(one, [1, 2, 3 + i], f"good-{i}")
+        assert len(errors) == 1 and len(finals) == 3
+        assert "request 'bad' failed in the engine" in str(errors[0])
+        assert "NaN" in str(errors[0])
+        assert not engine.errored
+        stats = await wait_until_idle(engine)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
