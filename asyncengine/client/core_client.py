@@ -371,6 +371,8 @@ class ThreadCoreClient(EngineCoreClient):
         self._loop: EngineCoreLoop | None = None
         self._thread: threading.Thread | None = None
         self._outputs: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._stop_watchdog = threading.Event()
+        self._hung = False  # the watchdog found a step past step_timeout
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -396,6 +398,17 @@ class ThreadCoreClient(EngineCoreClient):
         self._loop = EngineCoreLoop(self.engine_core, self._emit)
         self._thread = threading.Thread(target=self._run, name="AsyncEngineCore", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="EngineCoreWatchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A step past step_timeout is a death here too: every stream hears it, though the
+        stuck thread itself cannot be stopped (it is a daemon; the process can exit)."""
+        assert self._loop is not None
+        reason = self._loop.watch_steps(self.config.step_timeout, self._stop_watchdog)
+        if reason is not None:
+            logger.error("%s", reason)
+            self._hung = True
+            self._emit(EngineCoreOutputs(engine_dead=reason))
 
     def _run(self) -> None:
         assert self._loop is not None
@@ -449,12 +462,17 @@ class ThreadCoreClient(EngineCoreClient):
         if self._shut_down:
             return
         self._shut_down = True
+        self._stop_watchdog.set()
         with anyio.CancelScope(shield=True):
             if self._loop is not None:
                 self._loop.shutdown_nowait()
             if self._thread is not None:
-                await anyio.to_thread.run_sync(self._thread.join)
-            if self.engine_core is not None:
+                # A hung step never returns: leave that daemon thread behind, after a grace.
+                timeout = _SHUTDOWN_JOIN_S if self._hung else None
+                await anyio.to_thread.run_sync(self._thread.join, timeout)
+                if self._thread.is_alive():
+                    logger.warning("the engine core's thread is stuck in a step: abandoned")
+            if self.engine_core is not None and not self._hung:
                 self.engine_core.shutdown()
             os.close(self._wake_r)
             os.close(self._wake_w)

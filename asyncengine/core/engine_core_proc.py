@@ -112,6 +112,18 @@ class EngineCoreLoop:
     def _on_executor_failure(self) -> None:
         self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, None))
 
+    def watch_steps(self, step_timeout: float, stop: threading.Event) -> str | None:
+        """Block until a step has run past `step_timeout` (then return why it is a death),
+        or until `stop` is set (then None). For a watchdog thread beside the busy loop."""
+        while not stop.wait(min(1.0, step_timeout / 4)):
+            started = self.step_started
+            if started is not None and time.monotonic() - started > step_timeout:
+                return (
+                    f"a step exceeded step_timeout={step_timeout:g} s (running for "
+                    f"{time.monotonic() - started:.1f} s): the engine core is hung"
+                )
+        return None
+
     def shutdown_nowait(self) -> None:
         """Ask the loop to return after the step in progress (thread-safe)."""
         self.input_queue.put(_SHUTDOWN)
@@ -293,14 +305,8 @@ class EngineCoreProc:
     def _watch_steps(self) -> None:
         """End the process when a step runs past step_timeout (a hung kernel or collective:
         the busy loop's thread cannot be interrupted, so the process goes, loudly)."""
-        while not self._stop_input.wait(min(1.0, self.step_timeout / 4)):
-            started = self.loop.step_started
-            if started is None or time.monotonic() - started <= self.step_timeout:
-                continue
-            reason = (
-                f"a step exceeded step_timeout={self.step_timeout:g} s "
-                f"(running for {time.monotonic() - started:.1f} s): the engine core is hung"
-            )
+        reason = self.loop.watch_steps(self.step_timeout, self._stop_input)
+        if reason is not None:
             logger.error("%s; exiting", reason)
             self.output_queue.put(EngineCoreOutputs(engine_dead=reason))
             self.output_queue.put(_SHUTDOWN)

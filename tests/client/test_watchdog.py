@@ -81,3 +81,15 @@ async def test_a_stopped_core_fails_health_at_once_then_is_killed(tiny_llama: Pa
         client.proc.join(5)
         assert client.proc.exitcode == -signal.SIGKILL
     assert_gone(child_pids() - before)
+
+
+async def test_a_hung_step_in_the_thread_core_ends_every_stream(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(*fault_injection.ENV)
+    kw = {**ENGINE_KW, "step_timeout": 1.0}
+    async with AsyncLLM.from_pretrained(tiny_llama, core="thread", **kw) as engine:
+        await engine._call_utility("testing_hang_next_step", 3.0)
+        with anyio.fail_after(10):
+            error = await _stream_until_dead(engine)
+        assert "step_timeout=1" in str(error)
