@@ -310,7 +310,14 @@ class EngineCoreProc:
             logger.error("%s; exiting", reason)
             self.output_queue.put(EngineCoreOutputs(engine_dead=reason))
             self.output_queue.put(_SHUTDOWN)
-            self.output_thread.join(timeout=2.0)  # ENGINE_CORE_DEAD out first
+            self._stop_input.set()
+            self.output_thread.join(timeout=2.0)
+            self.input_thread.join(timeout=1.0)
+            # ENGINE_CORE_DEAD is out only once the context has flushed the output socket
+            # (its linger): terminate it, but never wait on the stuck loop for long.
+            flusher = threading.Thread(target=self.ctx.term, daemon=True)
+            flusher.start()
+            flusher.join(timeout=2.0)
             # The workers see this process's end (their stdin closes) and exit too.
             hard_exit(1)
 
