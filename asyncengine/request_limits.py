@@ -19,11 +19,18 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    max_num_seqs: int = 2**31  # a request's `n` sequences must be able to run at once
 
     def check(self, request_id: str, num_prompt_tokens: int, params: CoreSamplingParams) -> int:
         """The request's output budget (see `resolve_max_tokens`); ValueError, naming the
-        limit, when the prompt leaves no room within max_model_len or the request could
-        outgrow the whole KV cache (it would never finish)."""
+        limit, when the prompt leaves no room within max_model_len, the request could
+        outgrow the whole KV cache (it would never finish), or it asks for more sequences
+        than the engine runs at once."""
+        if params.n > self.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n={params.n} is invalid: at most max_num_seqs="
+                f"{self.max_num_seqs} sequences of one request can run at once"
+            )
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {num_prompt_tokens} tokens but max_model_len is "
@@ -39,6 +46,17 @@ class RequestLimits:
                 f"{self.num_kv_blocks}: lower max_tokens or enlarge the KV cache"
             )
         return max_tokens
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """ValueError unless every id is in [0, vocab_size) and there is at least one."""
+    if not token_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = [t for t in token_ids if not 0 <= t < vocab_size][:5]
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary); got {bad}"
+        )
 
 
 def resolve_max_tokens(

@@ -14,6 +14,14 @@ import enum
 import msgspec
 
 _MAX_LOGPROBS = 20
+# Counts and token ids are int32 in the engine's tensors: larger values are refused here,
+# with the field named, rather than overflowing somewhere in the core.
+_MAX_INT32 = 2**31 - 1
+# Stop strings are matched against every new piece of text: bound how much matching a
+# request can ask for.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -74,33 +82,54 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if not is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or not 1 <= self.n <= _MAX_INT32:
             raise _bad("n", self.n, "must be an integer >= 1")
         if not is_num(self.temperature) or not self.temperature >= 0.0:
             raise _bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise _bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to disable")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= _MAX_INT32:
+            raise _bad(
+                "top_k",
+                self.top_k,
+                f"must be an integer in [1, {_MAX_INT32}], or 0 / -1 to disable",
+            )
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise _bad("seed", self.seed, "must be None or an integer in [0, 2**63)")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _bad("max_tokens", self.max_tokens, "must be None or an integer >= 1")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and (
+            not is_int(self.max_tokens) or not 1 <= self.max_tokens <= _MAX_INT32
+        ):
+            raise _bad(
+                "max_tokens", self.max_tokens, f"must be None or an integer in [1, {_MAX_INT32}]"
+            )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _MAX_INT32:
+            raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, {_MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise _bad("stop", self.stop, "must be a non-empty string or a list of them")
+        if self.stop is not None and (
+            len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS
+        ):
+            raise _bad(
+                "stop",
+                f"<{len(self.stop)} strings>",
+                f"at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all",
+            )
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, list)
-            or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
+            or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+            or not all(is_int(t) and 0 <= t <= _MAX_INT32 for t in self.stop_token_ids)
         ):
-            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
+            raise _bad(
+                "stop_token_ids",
+                self.stop_token_ids[:8] if isinstance(self.stop_token_ids, list) else "?",
+                f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {_MAX_INT32}]",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2.0 <= value <= 2.0:

@@ -289,9 +289,19 @@ class AsyncLLM:
         self._state.streams[request.request_id] = stream
         if self._state.paused:
             self._state.held.extend(request.core_requests)
-        else:
+            return stream
+        sent: list[str] = []
+        try:
             for core_request in request.core_requests:
                 client.add_request_nowait(core_request)
+                sent.append(core_request.request_id)
+        except BaseException:
+            # Nothing of a request that could not be sent stays behind, here or in the core.
+            self._state.streams.pop(request.request_id, None)
+            op.abort_requests([request.request_id])
+            if sent:
+                client.abort_requests_nowait(sent)
+            raise
         return stream
 
     async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -450,14 +460,22 @@ class AsyncLLM:
                 f"the engine core did not answer a health check within {timeout} s"
             ) from None
 
-    async def statistics(self) -> EngineStats:
+    async def statistics(self, timeout: float = 10.0) -> EngineStats:  # noqa: ASYNC109
         """A frozen snapshot of the core: running/waiting requests, KV blocks used/total,
-        prefix-cache hits (a round trip to the core)."""
-        return msgspec.convert(await self._call_utility("statistics"), EngineStats)
+        prefix-cache hits (a round trip to the core). TimeoutError if the core does not
+        answer within `timeout` seconds, as `check_health`: a stopped core never answers."""
+        try:
+            with anyio.fail_after(timeout):
+                result = await self._call_utility("statistics")
+        except TimeoutError:
+            raise TimeoutError(
+                f"the engine core did not answer a statistics call within {timeout} s"
+            ) from None
+        return msgspec.convert(result, EngineStats)
 
-    async def get_stats(self) -> EngineStats:
+    async def get_stats(self, timeout: float = 10.0) -> EngineStats:  # noqa: ASYNC109
         """The same as `statistics()` (vLLM's name)."""
-        return await self.statistics()
+        return await self.statistics(timeout)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's contents: later requests find no cached prefix. Blocks

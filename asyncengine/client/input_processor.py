@@ -96,6 +96,8 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, not {request_id!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, not {priority!r}")
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority={priority} is invalid: must fit in 64 bits")
         text, token_ids = self.tokenize(prompt)
         self.limits.check(request_id, len(token_ids), params)
         arrival = time.monotonic()
@@ -118,7 +120,10 @@ def request_limits(config: EngineConfig) -> RequestLimits:
     if num_kv_blocks is None:
         raise RuntimeError("the KV block count is known once the engine core is ready")
     return RequestLimits(
-        config.model_config.max_model_len, config.cache_config.block_size, num_kv_blocks
+        config.model_config.max_model_len,
+        config.cache_config.block_size,
+        num_kv_blocks,
+        config.scheduler_config.max_num_seqs,
     )
 
 

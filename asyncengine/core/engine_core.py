@@ -47,6 +47,7 @@ class EngineCore:
             self.config.scheduler_config,
             KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
             self.config.model_config.eos_token_ids,
+            self.config.model_config.vocab_size,
         )
         logger.info("engine core ready in %.2f s", time.monotonic() - start)
 

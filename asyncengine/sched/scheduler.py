@@ -18,7 +18,7 @@ from asyncengine.ipc.messages import (
     EngineStats,
     FinishReason,
 )
-from asyncengine.request_limits import RequestLimits
+from asyncengine.request_limits import RequestLimits, check_token_ids
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.output import (
     INVALID_TOKEN_ID,
@@ -37,14 +37,19 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...],
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = eos_token_ids
         # The client checks the same limits; the core checks them again for any client.
         self.limits = RequestLimits(
-            config.max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_blocks
+            config.max_model_len,
+            kv_cache_manager.block_size,
+            kv_cache_manager.num_blocks,
+            config.max_num_seqs,
         )
+        self.vocab_size = vocab_size  # token ids are checked against it when given
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy, config.max_num_batched_tokens)
         self.running: list[Request] = []
@@ -59,6 +64,9 @@ class Scheduler:
         if core_request.request_id in self.requests:
             raise ValueError(f"request_id {core_request.request_id!r} is already in use")
         request_id, params = core_request.request_id, core_request.sampling_params
+        if self.vocab_size is not None:
+            # Cheap, and a bad id would fail the whole step: one bad frame must not kill all.
+            check_token_ids(core_request.prompt_token_ids, self.vocab_size)
         max_tokens = self.limits.check(request_id, len(core_request.prompt_token_ids), params)
         request = Request.from_core_request(core_request, max_tokens)
         self.requests[request.request_id] = request

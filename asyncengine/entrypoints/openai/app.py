@@ -143,8 +143,8 @@ class _Endpoints:
         stats = None
         if engine.is_running:
             try:
-                stats = await engine.get_stats()
-            except Exception:  # died meanwhile: report the server's own metrics only
+                stats = await engine.statistics(timeout=HEALTH_CHECK_TIMEOUT_S)
+            except Exception:  # dead or hung: report the server's own metrics only
                 stats = None
         return Response(self.state.metrics.render(stats), media_type=CONTENT_TYPE)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from asyncengine.entrypoints.openai.errors import bad_request
+from asyncengine.entrypoints.openai.errors import bad_request, from_value_error
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.outputs import RequestOutput
 from asyncengine.request_limits import RequestLimits
@@ -56,11 +56,17 @@ def check_prompt(
             f"{params.max_tokens} for the completion).",
             "max_tokens",
         )
-    limits = RequestLimits(max_len, cache_config.block_size, cache_config.num_kv_blocks or 0)
+    limits = RequestLimits(
+        max_len,
+        cache_config.block_size,
+        cache_config.num_kv_blocks or 0,
+        state.engine.config.scheduler_config.max_num_seqs,
+    )
     try:
         limits.check("this request", num_tokens, params)
     except ValueError as exc:
-        raise bad_request(str(exc), "max_tokens") from None
+        error = from_value_error(exc)  # names `n` for too many sequences
+        raise (error if error.param else bad_request(str(exc), "max_tokens")) from None
 
 
 async def run_prompts(

@@ -329,6 +329,10 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),  # longer than max_model_len
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    # Integers past 64 bits were a 500 (OverflowError) that leaked the request's table entry.
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**64 + 1}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64 + 1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**6, "max_tokens": 1}, 400, "n"),
     ("/v1/completions", [1, 2], 400, None),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
