@@ -41,6 +41,12 @@ async def decode_request(request: Request, limit: int, request_type: type[T]) ->
         return msgspec.json.decode(body, type=request_type)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
         raise from_validation_error(exc) from None
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(
+            400, f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}"
+        ) from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body's JSON is nested too deeply") from None
 
 
 def _too_large(limit: int) -> OpenAIError:

@@ -334,6 +334,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64 + 1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "n": 10**6, "max_tokens": 1}, 400, "n"),
     ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": '
+        + b"[" * 5000 + b"]" * 5000 + b"}}",
+        400,
+        None,
+    ),  # nested past msgspec's recursion limit
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
@@ -389,7 +397,12 @@ def test_bad_requests_name_the_field(
     # Streamed or not, a bad request is refused before the response starts.
     if stream and isinstance(body, dict) and "stream" not in body:
         body = dict(body, stream=True)
-    _assert_error(http.post(path, json=body), status, param)
+    if isinstance(body, bytes):  # bodies that no JSON encoder would write
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    _assert_error(response, status, param)
+    assert http.get("/v1/models").status_code == 200  # the connection is still usable
 
 
 def test_body_that_is_not_json(http: httpx.Client) -> None:
