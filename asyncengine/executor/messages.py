@@ -26,16 +26,15 @@ class WorkerLaunch(msgspec.Struct, gc=False):
     config: EngineConfig
     to_worker: str  # the address of its inbox (executor → worker)
     from_worker: str  # the address of the executor's results socket
+    store_path: str  # the rendezvous FileStore, in the executor's private socket directory
 
 
 worker_launch_decoder: msgspec.msgpack.Decoder[WorkerLaunch] = msgspec.msgpack.Decoder(WorkerLaunch)
 
 
 class InitDistributed(msgspec.Struct, tag=True, array_like=True):
-    """Join the process group. Rank 0 hosts the rendezvous store (port 0: the OS picks a free
-    port, so engines on one host never collide) and reports the port in WorkerHello."""
-
-    store_port: int
+    """Every rank has said hello: join the process group (through the launch's FileStore),
+    then load and shard the model."""
 
 
 class ExecuteModel(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -58,11 +57,10 @@ ToWorker = InitDistributed | ExecuteModel | RpcCall | Shutdown
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True):
-    """Sent once the worker's sockets are up; rank 0's carries the rendezvous store port."""
+    """Sent once the worker's sockets are up."""
 
     rank: int
     pid: int
-    store_port: int | None = None
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

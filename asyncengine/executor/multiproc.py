@@ -91,16 +91,20 @@ class MultiprocExecutor(Executor):
     # ---- startup -------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        """1. start the ranks' processes, 2. HELLOs (rank 0 names the store port),
-        3. InitDistributed, 4. WorkerReady from every rank (the model is loaded and sharded).
+        """1. start the ranks' processes, 2. HELLOs, 3. InitDistributed (the ranks
+        rendezvous through a FileStore in our private directory), 4. WorkerReady from every
+        rank (the model is loaded and sharded).
 
         Each rank is a fresh interpreter (`python -m asyncengine.executor.worker_proc`) that
         exits when its owner does, even one that never calls shutdown() (its stdin closes)."""
         results_address = ipc_address(self._socket_dir, "results")
+        store_path = str(self._socket_dir / "rendezvous")
         for rank in range(self.world_size):
             address = ipc_address(self._socket_dir, f"worker-{rank}")
             self._inboxes.append(make_socket(self._ctx, address, zmq.PUSH, bind=True))
-            launch = WorkerLaunch(rank, self.world_size, self.config, address, results_address)
+            launch = WorkerLaunch(
+                rank, self.world_size, self.config, address, results_address, store_path
+            )
             proc = ChildProcess(
                 "asyncengine.executor.worker_proc",
                 self._encoder.encode(launch),
@@ -112,9 +116,7 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         hellos = [self._recv(WorkerHello, -1, deadline) for _ in range(self.world_size)]
-        port = next(h.store_port for h in hellos if h.rank == 0)
-        assert port is not None, "rank 0 opens the rendezvous store"
-        self._broadcast(self._encoder.encode(InitDistributed(port)))
+        self._broadcast(self._encoder.encode(InitDistributed()))
         for _ in range(self.world_size):
             self._recv(WorkerReady, -1, deadline)
         logger.info(

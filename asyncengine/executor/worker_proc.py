@@ -4,7 +4,7 @@ The process is `python -m asyncengine.executor.worker_proc` (a `ChildProcess`, i
 arguments on stdin): a fresh interpreter that never imports the application's `__main__`.
 
 1. signals, the parent watch and a log prefix naming the rank and pid;
-2. connect to the executor, say WorkerHello (rank 0 first opens the rendezvous store);
+2. connect to the executor, say WorkerHello;
 3. on InitDistributed: join the process group, load and shard the model, say WorkerReady;
 4. serve ExecuteModel and RpcCall messages until Shutdown, answering each failure with its
    traceback text (the executor raises it in the caller).
@@ -32,6 +32,7 @@ from asyncengine.executor.messages import (
     Shutdown,
     WorkerFailure,
     WorkerHello,
+    WorkerLaunch,
     WorkerReady,
     to_worker_decoder,
     worker_launch_decoder,
@@ -46,7 +47,6 @@ from asyncengine.process_setup import (
 )
 
 if TYPE_CHECKING:
-    from asyncengine.config import EngineConfig
     from asyncengine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -58,25 +58,23 @@ _STARTUP_TIMEOUT_S = 120.0  # waiting for InitDistributed
 def main() -> None:
     """`python -m asyncengine.executor.worker_proc`: the launch arguments from stdin, then
     the worker until Shutdown."""
-    launch = worker_launch_decoder.decode(read_payload())
-    run_worker(launch.rank, launch.world_size, launch.config, launch.to_worker, launch.from_worker)
+    run_worker(worker_launch_decoder.decode(read_payload()))
 
 
-def run_worker(
-    rank: int, world_size: int, config: EngineConfig, to_worker: str, from_worker: str
-) -> None:
+def run_worker(launch: WorkerLaunch) -> None:
     """The worker process's body; exits 0 after Shutdown, 1 after a failure."""
+    rank = launch.rank
     _setup_logging(rank)
     # Ctrl-C reaches the engine core too, which stops its workers in order.
     install_signal_handlers(ignore_sigint=True)
     _start_parent_watch(rank)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    inbox = make_socket(ctx, to_worker, zmq.PULL, bind=False)
-    outbox = make_socket(ctx, from_worker, zmq.PUSH, bind=False, linger_ms=2000)
+    inbox = make_socket(ctx, launch.to_worker, zmq.PULL, bind=False)
+    outbox = make_socket(ctx, launch.from_worker, zmq.PUSH, bind=False, linger_ms=2000)
     encoder = msgspec.msgpack.Encoder()
     exit_code = 0
     try:
-        worker = _start(rank, world_size, config, inbox, outbox, encoder)
+        worker = _start(launch, inbox, outbox, encoder)
         _serve(worker, rank, inbox, outbox, encoder)
     except SystemExit as exc:
         logger.info("worker shutting down (%s)", exc)
@@ -93,13 +91,12 @@ def run_worker(
 
 
 def _start(
-    rank: int,
-    world_size: int,
-    config: EngineConfig,
+    launch: WorkerLaunch,
     inbox: zmq.Socket[bytes],
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
 ) -> Worker:
+    rank, world_size, config = launch.rank, launch.world_size, launch.config
     skip_unused_packages(config.model_config)
     from asyncengine.model.loader import import_model_code
 
@@ -114,10 +111,7 @@ def _start(
     # Each rank gets its share of the cores; more threads than cores only contend.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // world_size))
-    store = create_store(rank, world_size, 0) if rank == 0 else None
-    outbox.send(
-        encoder.encode(WorkerHello(rank, os.getpid(), store.port if store is not None else None))
-    )
+    outbox.send(encoder.encode(WorkerHello(rank, os.getpid())))
     if not inbox.poll(int(_STARTUP_TIMEOUT_S * 1000)):
         raise TimeoutError(f"no InitDistributed from the executor in {_STARTUP_TIMEOUT_S} s")
     init = to_worker_decoder.decode(inbox.recv())
@@ -125,8 +119,8 @@ def _start(
         raise SystemExit("shut down during startup")
     if not isinstance(init, InitDistributed):
         raise TypeError(f"expected InitDistributed, got {type(init).__name__}")
-    if store is None:
-        store = create_store(rank, world_size, init.store_port)
+    # A file in the executor's private (0700) directory: no socket, on any interface.
+    store = create_store(world_size, launch.store_path)
     device = torch.device(config.device_config.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import FileStore, Store  # type: ignore[attr-defined]
 
 # gloo (CPU) reduces bf16/fp16 slowly and less accurately; sum those in fp32 there.
 _REDUCE_IN_FP32 = (torch.bfloat16, torch.float16)
@@ -53,17 +53,13 @@ class TensorParallelGroup:
         return token_ids if token_ids is not None else buf.tolist()
 
 
-def create_store(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> TCPStore:
-    """The rendezvous store: rank 0 hosts it (`port` 0: any free port, read back from
-    `store.port`, so engines on one host never collide); the other ranks connect to it."""
-    return TCPStore(
-        host,
-        port,
-        world_size=world_size,
-        is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=60),
-        wait_for_workers=False,
-    )
+def create_store(world_size: int, path: str) -> FileStore:
+    """The rendezvous store: a file every rank opens (in the executor's private directory).
+
+    Not a TCPStore: that listens on every interface for the engine's lifetime, whatever host
+    it is given; a file is reachable only by this user's processes, and needs no port.
+    """
+    return FileStore(path, world_size)
 
 
 def join_group(

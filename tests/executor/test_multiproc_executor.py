@@ -153,3 +153,17 @@ def test_execute_model_of_an_empty_step(executor: MultiprocExecutor) -> None:
 
     empty = SchedulerOutput([], [], {}, 0, [])
     assert executor.execute_model(empty).req_ids == []
+
+
+def test_no_worker_listens_on_a_network_interface(executor: MultiprocExecutor) -> None:
+    # The rendezvous is a file in the executor's private directory, not a TCPStore (which
+    # listened on every interface for the engine's lifetime); gloo's own sockets are loopback.
+    for proc in executor._procs:
+        assert proc.pid is not None
+        listening = [
+            c.laddr
+            for c in psutil.Process(proc.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
+    executor.check_health()
