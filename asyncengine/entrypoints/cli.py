@@ -267,6 +267,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncengine.entrypoints.openai import build_app
     from asyncengine.entrypoints.openai.server import make_server
 
+    # Fail before the engine loads (seconds to minutes) when the port is taken.
+    busy = _port_in_use(args.host, args.port)
+    if busy is not None:
+        print(
+            f"asyncengine serve: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr
+        )
+        return 1
     model = args.model
     if model == "default" and not Path(model).is_dir():
         from asyncengine.entrypoints.default_model import default_model_dir
@@ -289,6 +296,23 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return 0
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on now, or None. Port 0 is always free. uvicorn
+    binds again itself: this only moves a taken port's error before the engine's start-up."""
+    import socket
+
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 if __name__ == "__main__":

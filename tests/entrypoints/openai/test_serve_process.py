@@ -161,3 +161,21 @@ def test_serve_without_starlette_says_what_to_install() -> None:
     )
     assert proc.returncode == 1
     assert "pip install 'asyncengine[serve]'" in proc.stderr
+
+
+def test_a_taken_port_fails_before_the_engine_loads(tiny_llama: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(tiny_llama),
+             "--port", str(port), "--dtype", "float32", "--num-kv-blocks", "64"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert time.monotonic() - start < 10  # no engine was started
