@@ -280,6 +280,8 @@ class EngineCoreProc:
                     logger.warning("dropped a malformed frame on the input socket: %s", exc)
                     continue
                 self.loop.input_queue.put(item)
+        except zmq.ContextTerminated:
+            pass  # the process is going down (a hard exit terminated the context): quietly
         finally:
             sock.close(linger=0)
 

@@ -10,12 +10,50 @@ from pathlib import Path
 
 import zmq
 
+_PREFIX = "asyncengine-"
+
 
 def make_private_socket_dir() -> Path:
-    """A fresh directory only this user can enter (0700), for ipc:// socket files."""
-    path = Path(tempfile.mkdtemp(prefix="asyncengine-"))
+    """A fresh directory only this user can enter (0700), for ipc:// socket files.
+
+    Its name carries this process's pid, so that directories left behind by a process that
+    was killed (SIGKILL leaves no `finally`) are swept here, by the next engine's start.
+    """
+    sweep_stale_socket_dirs()
+    path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
     os.chmod(path, stat.S_IRWXU)  # mkdtemp makes it 0700 already; make the contract explicit
     return path
+
+
+def sweep_stale_socket_dirs() -> int:
+    """Remove this user's socket directories whose creating process is gone; how many.
+
+    A process is looked up by pid in this pid namespace: processes that share a temporary
+    directory across pid namespaces (containers with a shared /tmp) should each set TMPDIR.
+    """
+    removed = 0
+    uid = os.getuid()
+    for entry in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
+        pid_text = entry.name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            if entry.is_dir() and entry.stat().st_uid == uid:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to look at
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, and its directory is not ours anyway
+    return True
 
 
 def remove_socket_dir(path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -177,3 +178,23 @@ def test_socket_dir_is_private() -> None:
     finally:
         remove_socket_dir(path)
     assert not path.exists()
+
+
+def test_socket_dirs_of_dead_processes_are_swept() -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    from asyncengine.ipc.sockets import make_private_socket_dir, sweep_stale_socket_dirs
+
+    # A process that made its directory and died without cleaning up (as after SIGKILL).
+    code = "from asyncengine.ipc.sockets import make_private_socket_dir as m; print(m())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    left = Path(out.stdout.strip())
+    assert left.is_dir() and left.parent == Path(tempfile.gettempdir())
+    mine = make_private_socket_dir()  # sweeps on the way
+    try:
+        assert not left.exists()
+        assert mine.is_dir() and sweep_stale_socket_dirs() == 0  # a live process's stays
+    finally:
+        remove_socket_dir(mine)
