@@ -59,8 +59,9 @@ class EngineCore:
         """Queue a request; ValueError (for its sender only) when it cannot be served."""
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort requests; the ids that were live."""
+        return self.scheduler.abort_requests(request_ids)
 
     def step(self) -> EngineCoreOutputs:
         """Run one batch: 1. schedule, 2. execute, 3. fold the sampled tokens back in."""

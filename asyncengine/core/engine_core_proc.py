@@ -162,7 +162,12 @@ class EngineCoreLoop:
         if request_type is EngineCoreRequestType.ADD:
             self._add_request(payload)
         elif request_type is EngineCoreRequestType.ABORT:
-            self.engine_core.abort_requests(payload)
+            aborted = self.engine_core.abort_requests(payload)
+            if aborted:
+                # Every request the core ends reaches its stream: the client ignores the ends
+                # of requests it aborted itself, and an abort it did not send ends the stream.
+                ends = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in aborted]
+                self.emit(EngineCoreOutputs(outputs=ends, timestamp=time.monotonic()))
         elif request_type is EngineCoreRequestType.UTILITY:
             self.emit(EngineCoreOutputs(utility_output=self._call_utility(payload)))
         elif request_type is EngineCoreRequestType.EXECUTOR_FAILED:

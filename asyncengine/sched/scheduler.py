@@ -72,18 +72,22 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Finish requests early (client abort); their blocks are freed at once."""
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Finish requests early (client abort); their blocks are freed at once. Returns the
+        ids that were live (unknown and finished ones are skipped)."""
+        aborted: list[str] = []
         for req_id in request_ids:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            aborted.append(req_id)
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             request.finish_reason = FinishReason.ABORT
             self._free_request(request)
+        return aborted
 
     def _free_request(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED

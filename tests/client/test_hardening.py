@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from async_helpers import ENGINE_KW, wait_until_idle
 
@@ -83,3 +84,17 @@ def test_the_core_refuses_token_ids_outside_the_vocabulary() -> None:
     assert not sched.has_requests()
     sched.add_request(EngineCoreRequest("good", [5, 99], SamplingParams(max_tokens=1), 0.0))
     assert sched.has_requests()
+
+
+async def test_an_abort_the_client_did_not_send_still_ends_the_stream(engine: AsyncLLM) -> None:
+    client = engine._core_client
+    assert client is not None
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = []
+    with anyio.fail_after(10):
+        async for out in engine.generate("hello", long, request_id="victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                client.abort_requests_nowait(["victim"])  # as a foreign frame would
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200
