@@ -150,9 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ASYNCENGINE_API_KEY"),
                        metavar="KEY",
                        help="require `Authorization: Bearer KEY` on every path but /health "
-                            "(default: $ASYNCENGINE_API_KEY, else none)")  # fmt: skip
+                            "(default: $ASYNCENGINE_API_KEY, else none; prefer the variable: "
+                            "a flag shows in the process list)")  # fmt: skip
     serve.add_argument("--served-model-name", metavar="NAME",
-                       help="the model name clients ask for (default: MODEL as given)")  # fmt: skip
+                       help="the model name clients ask for (default: the model folder's "
+                            "name, so its path is not shown to clients)")  # fmt: skip
+    serve.add_argument("--allowed-hosts", metavar="HOSTS",
+                       help="comma-separated Host headers to answer (default: localhost, "
+                            "127.0.0.1 and ::1 when --host is loopback, else any)")  # fmt: skip
     serve.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
                        help="larger request bodies get 413 (default: 8 MiB)")  # fmt: skip
     # The server's DEFAULT_DRAIN_TIMEOUT_S (not imported: it would import uvicorn here).
@@ -279,11 +284,18 @@ def run_serve(args: argparse.Namespace) -> int:
         from asyncengine.entrypoints.default_model import default_model_dir
 
         model = default_model_dir()
+    if args.api_key and args.api_key != os.environ.get("ASYNCENGINE_API_KEY"):
+        print(
+            "asyncengine serve: warning: --api-key is visible to every user in the process "
+            "list; set ASYNCENGINE_API_KEY instead",
+            file=sys.stderr,
+        )
     app = build_app(
         model,
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.served_model_name or Path(args.model).name or args.model,
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
         **engine_kwargs_from_args(args),
     )
     server = make_server(
@@ -296,6 +308,19 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return 0
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _allowed_hosts(host: str, given: str | None) -> list[str] | None:
+    """The Host headers the server answers: as given; else, for a loopback server, loopback
+    names only (a page that rebinds its own DNS name to 127.0.0.1 is refused); else any."""
+    if given:
+        return [h.strip() for h in given.split(",") if h.strip()]
+    if host in _LOOPBACK:
+        return [*_LOOPBACK, "[::1]"]
+    return None
 
 
 def _port_in_use(host: str, port: int) -> str | None:

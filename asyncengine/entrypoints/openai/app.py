@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -48,6 +49,7 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_hosts: Sequence[str] | None = None,
     **engine_options: Any,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine`: an AsyncLLM, or a model folder to build one
@@ -56,7 +58,9 @@ def build_app(
     The app's lifespan starts the engine and stops it, unless it is already running when the
     app starts (then whoever started it owns it). `served_model_name` is the `model` clients
     ask for (default: the model folder as given); `api_key`, when set, is required as
-    `Authorization: Bearer KEY` on every path but /health.
+    `Authorization: Bearer KEY` on every path but /health. `allowed_hosts`, when given, are
+    the only `Host` headers answered (400 otherwise): against DNS rebinding, a web page that
+    reaches a local server under a name of its own.
     """
     if not isinstance(engine, AsyncLLM):
         engine = AsyncLLM.from_pretrained(engine, **engine_options)
@@ -80,6 +84,8 @@ def build_app(
         Route("/version", endpoints.version, methods=["GET"]),
     ]
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    if allowed_hosts is not None:
+        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

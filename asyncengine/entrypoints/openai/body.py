@@ -35,7 +35,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def decode_request(request: Request, limit: int, request_type: type[T]) -> T:
-    """The body as `request_type`; 400 naming the field for JSON that does not fit it."""
+    """The body as `request_type`; 400 naming the field for JSON that does not fit it.
+
+    415 unless the body is declared JSON: a browser page may send `text/plain` or a form to
+    any host without asking first (no CORS preflight), but never `application/json`.
+    """
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise OpenAIError(
+            415,
+            f"the request body must be JSON with Content-Type: application/json, not "
+            f"{content_type or 'none'!r}",
+        )
     body = await read_body(request, limit)
     try:
         return msgspec.json.decode(body, type=request_type)

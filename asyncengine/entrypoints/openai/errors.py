@@ -22,6 +22,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

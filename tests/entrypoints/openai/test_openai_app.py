@@ -105,3 +105,21 @@ def test_a_full_queue_answers_503_with_retry_after(chat_model: Path) -> None:
             error = refused.json()["error"]
             assert error["type"] == "ServiceUnavailableError"
             assert "max_queued_requests=1" in error["message"]
+
+
+async def test_only_allowed_host_headers_are_answered(chat_model: Path) -> None:
+    # Against DNS rebinding: a page whose own name resolves to 127.0.0.1 sends its own Host.
+    app = build_app(chat_model, core="thread", allowed_hosts=["localhost"], **ENGINE_KW)
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://evil.example") as client:
+        assert (await client.get("/v1/models")).status_code == 400
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost:8000") as client:
+        assert (await client.get("/v1/models")).status_code == 200
+
+
+def test_the_cli_answers_loopback_names_only_on_a_loopback_server() -> None:
+    from asyncengine.entrypoints.cli import _allowed_hosts
+
+    assert "localhost" in (_allowed_hosts("127.0.0.1", None) or [])
+    assert _allowed_hosts("0.0.0.0", None) is None  # any: the operator chose to expose it
+    assert _allowed_hosts("0.0.0.0", "api.example, 10.0.0.2") == ["api.example", "10.0.0.2"]

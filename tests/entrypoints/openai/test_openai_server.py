@@ -406,9 +406,19 @@ def test_bad_requests_name_the_field(
 
 
 def test_body_that_is_not_json(http: httpx.Client) -> None:
-    response = http.post("/v1/completions", content=b'{"prompt": "hi"')
+    json_type = {"content-type": "application/json"}
+    response = http.post("/v1/completions", content=b'{"prompt": "hi"', headers=json_type)
     _assert_error(response, 400, None)
     assert "JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_declared_json_is_refused(http: httpx.Client, content_type: str | None) -> None:
+    # What a browser page can send to any host without a CORS preflight: never executed.
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    response = http.post("/v1/completions", content=body, headers=headers)
+    _assert_error(response, 415, None)
 
 
 def test_openai_client_raises_by_status(server: RunningServer, client: openai.OpenAI) -> None:
@@ -450,13 +460,15 @@ def test_api_key_is_required_everywhere_but_health(
 
 def test_body_over_the_limit_is_413(http: httpx.Client) -> None:
     big = json.dumps({"prompt": "a " * MAX_BODY}).encode()
-    _assert_error(http.post("/v1/completions", content=big), 413, None)
+    json_type = {"content-type": "application/json"}
+    _assert_error(http.post("/v1/completions", content=big, headers=json_type), 413, None)
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
-    _assert_error(http.post("/v1/chat/completions", content=chunked()), 413, None)
+    response = http.post("/v1/chat/completions", content=chunked(), headers=json_type)
+    _assert_error(response, 413, None)
 
 
 def test_unknown_routes_and_methods(http: httpx.Client) -> None:
