@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from asyncengine.client.tokenizer import Tokenizer
@@ -31,6 +32,7 @@ class IncrementalDetokenizer:
         max_stop_len = max((len(s) for s in self.stop), default=0)
         self.hold_back = 0 if self.include_stop or not self.stop else max_stop_len - 1
         self.max_stop_len = max_stop_len
+        self._stop_pattern = re.compile("|".join(map(re.escape, self.stop)))
         self.text = ""
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
@@ -50,14 +52,11 @@ class IncrementalDetokenizer:
         # Only a match that ends inside the new text is new: search a window reaching back
         # one stop-string length before it.
         window_start = max(0, old_len - self.max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            idx = self.text.find(stop, window_start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
+        # One pass for every stop string: the earliest match, the first listed on a tie.
+        match = self._stop_pattern.search(self.text, window_start)
+        if match is None:
             return None
-        idx, stop = best
+        idx, stop = match.start(), match.group()
         self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
         return stop
 
