@@ -55,6 +55,7 @@ from asyncengine.ipc.sockets import (
     make_private_socket_dir,
     make_socket,
     remove_socket_dir,
+    sweep_stale_socket_dirs,
 )
 
 if TYPE_CHECKING:
@@ -299,6 +300,9 @@ class ProcCoreClient(EngineCoreClient):
                 self._output.close(linger=0)
             self._ctx.term()
             remove_socket_dir(self._socket_dir)
+            # A core killed before its own clean-up leaves its executor's directory: the
+            # core is gone now, so the sweep takes it.
+            sweep_stale_socket_dirs()
 
 
 def _fd(sock: zmq.Socket[bytes]) -> int:

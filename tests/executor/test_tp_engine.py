@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -22,6 +23,10 @@ pytestmark = pytest.mark.timeout(120)
 
 TP_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, tensor_parallel_size=2)
 LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+
+def _socket_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("asyncengine-")}
 
 
 def _worker_pids(engine: AsyncLLM) -> list[int]:
@@ -70,6 +75,7 @@ async def test_an_exception_in_a_worker_reaches_the_client(
 
 async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
     before = child_pids()
+    dirs_before = _socket_dirs()
     async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
         workers = _worker_pids(engine)
         client = engine._core_client
@@ -82,6 +88,8 @@ async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
             async for _ in engine.generate("hello", LONG):
                 pass
     assert_gone(child_pids() - before)
+    # Neither the client's socket directory nor the killed core's executor's is left.
+    assert _socket_dirs() <= dirs_before
 
 
 async def test_two_tp_engines_side_by_side(tiny_llama: Path) -> None:
