@@ -14,6 +14,7 @@ import hmac
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -57,10 +58,10 @@ def build_app(
 
     The app's lifespan starts the engine and stops it, unless it is already running when the
     app starts (then whoever started it owns it). `served_model_name` is the `model` clients
-    ask for (default: the model folder as given); `api_key`, when set, is required as
-    `Authorization: Bearer KEY` on every path but /health. `allowed_hosts`, when given, are
-    the only `Host` headers answered (400 otherwise): against DNS rebinding, a web page that
-    reaches a local server under a name of its own.
+    ask for (default: the model folder's name: its path is never shown to clients);
+    `api_key`, when set, is required as `Authorization: Bearer KEY` on every path but /health.
+    `allowed_hosts`, when given, are the only `Host` headers answered (400 otherwise): against
+    DNS rebinding, a web page that reaches a local server under a name of its own.
     """
     if not isinstance(engine, AsyncLLM):
         engine = AsyncLLM.from_pretrained(engine, **engine_options)
@@ -70,7 +71,7 @@ def build_app(
         raise ValueError(f"max_request_body_bytes={max_request_body_bytes!r} must be > 0")
     state = ServerState(
         engine,
-        served_model_name or str(engine.config.model_config.model),
+        served_model_name or Path(engine.config.model_config.model).name,
         max_request_body_bytes=max_request_body_bytes,
     )
     endpoints = _Endpoints(state)
