@@ -113,3 +113,48 @@ async def test_two_tp_engines_side_by_side(tiny_llama: Path) -> None:
         assert len(results[0]) == 16 and results[0] == results[1]
         assert not a.errored and not b.errored
     assert_gone(child_pids() - before)
+
+
+_CTRL_C_PROGRAM = """
+import asyncio
+from asyncengine import AsyncLLM, SamplingParams
+
+async def main():
+    async with AsyncLLM.from_pretrained({model!r}, dtype="float32", max_model_len=256,
+                                        num_kv_blocks=64, tensor_parallel_size=2) as engine:
+        print("ready", flush=True)
+        async for _ in engine.generate("hello", SamplingParams(max_tokens=240, ignore_eos=True)):
+            await asyncio.sleep(0.05)
+
+asyncio.run(main())
+"""
+
+
+def test_ctrl_c_of_a_tp_app_leaves_no_process_or_socket_dir(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "app.py"
+    script.write_text(_CTRL_C_PROGRAM.format(model=str(tiny_llama)))
+    dirs_before = _socket_dirs()
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"ready"
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches every process of the job
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert_gone(set(tree), timeout=10.0)
+    assert _socket_dirs() <= dirs_before
