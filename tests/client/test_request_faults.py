@@ -43,26 +43,35 @@ def poisoned_detokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
 
 
+async def _bad_beside_three_good(
+    engine: AsyncLLM, bad_prompt: list[int]
+) -> tuple[list[RequestOutput], list[EngineGenerateError]]:
+    """Request "bad" and three good ones, concurrently: the good ones' final outputs, and the
+    errors raised."""
+    finals: list[RequestOutput] = []
+    errors: list[EngineGenerateError] = []
+
+    async def one(prompt: list[int], request_id: str) -> None:
+        try:
+            async for out in engine.generate(prompt, PARAMS, request_id=request_id):
+                if out.finished:
+                    finals.append(out)
+        except EngineGenerateError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, bad_prompt, "bad")
+        for i in range(3):
+            tg.start_soon(one, [1, 2, 3 + i], f"good-{i}")
+    return finals, errors
+
+
 @pytest.mark.parametrize("core", ["process", "thread"])
 async def test_a_failing_request_ends_alone(
     tiny_llama: Path, poisoned_detokenizer: None, core: str
 ) -> None:
     async with AsyncLLM.from_pretrained(tiny_llama, core=core, **ENGINE_KW) as engine:
-        finals: list[RequestOutput] = []
-        errors: list[EngineGenerateError] = []
-
-        async def one(prompt: list[int], request_id: str) -> None:
-            try:
-                async for out in engine.generate(prompt, PARAMS, request_id=request_id):
-                    if out.finished:
-                        finals.append(out)
-            except EngineGenerateError as exc:
-                errors.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, POISON, "bad")
-            for i in range(3):
-                tg.start_soon(one, [1, 2, 3 + i], f"good-{i}")
+        finals, errors = await _bad_beside_three_good(engine, POISON)
         assert len(errors) == 1 and len(finals) == 3
         assert "request 'bad' failed" in str(errors[0]) and "UnicodeDecodeError" in str(errors[0])
         assert all(len(f.outputs[0].token_ids) == 12 for f in finals)
@@ -78,21 +87,7 @@ async def test_nan_logits_fail_their_request_alone(
     monkeypatch.setenv(*fault_injection.ENV)
     async with AsyncLLM.from_pretrained(tiny_llama, **ENGINE_KW) as engine:
         await engine._call_utility("testing_nan_logits", "bad")
-        finals: list[RequestOutput] = []
-        errors: list[EngineGenerateError] = []
-
-        async def one(prompt: list[int], request_id: str) -> None:
-            try:
-                async for out in engine.generate(prompt, PARAMS, request_id=request_id):
-                    if out.finished:
-                        finals.append(out)
-            except EngineGenerateError as exc:
-                errors.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, [9, 9, 9], "bad")
-            for i in range(3):
-                tg.start_soon(one, [1, 2, 3 + i], f"good-{i}")
+        finals, errors = await _bad_beside_three_good(engine, [9, 9, 9])
         assert len(errors) == 1 and len(finals) == 3
         assert "request 'bad' failed in the engine" in str(errors[0])
         assert "NaN" in str(errors[0])
