@@ -27,6 +27,7 @@ because OpenMP's `omp_set_num_threads` (what `torch.set_num_threads` calls) is p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -264,6 +265,8 @@ def _build(cc: str) -> Path:
     prefix = f"{stem}-{platform.machine()}-"
     target = out_dir / f"{prefix}{key.hexdigest()[:16]}.so"
     if target.is_file():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # recently used: kept by the pruning below
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
@@ -281,12 +284,29 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    # Builds of older sources are dead weight (a process still running one keeps its mapping).
-    for old in out_dir.glob(f"{prefix}*.so"):
-        if old != target:
-            old.unlink(missing_ok=True)
+    prune_builds(out_dir, prefix, keep=KEPT_BUILDS)
     logger.info("built the native CPU kernels: %s", target)
     return target
+
+
+# Builds kept per kind: several checkouts (or versions) on one machine each keep theirs,
+# instead of evicting each other's and rebuilding at every start.
+KEPT_BUILDS = 4
+
+
+def prune_builds(out_dir: Path, prefix: str, keep: int) -> None:
+    """Remove all but the `keep` most recently used builds named `prefix*.so` (a process
+    still running a removed one keeps its mapping)."""
+    builds = sorted(out_dir.glob(f"{prefix}*.so"), key=_mtime, reverse=True)
+    for old in builds[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _compiler_identity(cc: str) -> bytes:

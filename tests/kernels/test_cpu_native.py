@@ -109,3 +109,19 @@ def test_inner_loop_helpers_are_inlined() -> None:
     listing = subprocess.run(["nm", str(lib.path)], capture_output=True, text=True, check=True)
     names = {line.split()[-1].split(".")[0] for line in listing.stdout.splitlines() if line}
     assert not names & set(INLINE_HELPERS)
+
+
+def test_the_build_cache_keeps_the_most_recently_used_builds(tmp_path: Path) -> None:
+    import os
+
+    from asyncengine.kernels.cpu_native import prune_builds
+
+    for age in range(6):  # build-0 is the newest
+        build = tmp_path / f"cpu_kernels-x86_64-build{age}.so"
+        build.write_bytes(b"")
+        os.utime(build, (1_000_000 - age, 1_000_000 - age))
+    other = tmp_path / "cpu_kernels-sanitized-x86_64-old.so"  # another kind: never touched
+    other.write_bytes(b"")
+    prune_builds(tmp_path, "cpu_kernels-x86_64-", keep=4)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [other.name, *(f"cpu_kernels-x86_64-build{i}.so" for i in range(4))]
