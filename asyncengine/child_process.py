@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import site
 import struct
 import subprocess
 import sys
@@ -30,6 +31,18 @@ from pathlib import Path
 # parent, installed or not (a checkout on sys.path, say).
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 _LENGTH = struct.Struct("<Q")
+
+
+def _child_env() -> dict[str, str]:
+    """The parent's environment, with the package's folder on PYTHONPATH unless it is a
+    site-packages folder (the child finds it there anyway, and a site folder put ahead of
+    the standard library could shadow it)."""
+    env = dict(os.environ)
+    site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
+    if _PACKAGE_PARENT not in {str(Path(d).resolve()) for d in site_dirs}:
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+    return env
 
 
 class ChildProcess:
@@ -47,9 +60,7 @@ class ChildProcess:
         if self._popen is not None:
             raise RuntimeError(f"{self.name} was started already")
         exit_r, exit_w = os.pipe()
-        env = dict(os.environ)
-        path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+        env = _child_env()
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, "-m", self.module],

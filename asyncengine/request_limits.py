@@ -19,7 +19,7 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    max_num_seqs: int = 2**31  # a request's `n` sequences must be able to run at once
+    max_num_seqs: int  # a request's `n` sequences must be able to run at once
 
     def check(self, request_id: str, num_prompt_tokens: int, params: CoreSamplingParams) -> int:
         """The request's output budget (see `resolve_max_tokens`); ValueError, naming the

@@ -69,7 +69,6 @@ class _State:
     started: bool = False
     closing: bool = False
     draining: bool = False
-    idle: anyio.Event | None = None  # while draining: set once no stream is left
     paused: bool = False
     sleep_level: int = 0  # 0: awake
     stream_ended: anyio.Event | None = None  # set (and replaced) whenever a stream ends
@@ -205,7 +204,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ChatPrompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -218,11 +217,18 @@ class AsyncLLM:
         `break`). ValueError for a bad request or a live duplicate `request_id`;
         EngineOverloadedError when `max_queued_requests` requests wait already;
         EngineDrainingError after `drain()`; EngineDeadError if the engine is gone, or dies
-        meanwhile.
+        meanwhile. `prompt` may also be a `ChatPrompt` that `render_chat` made.
         """
-        async with aclosing(self._generate(prompt, params, request_id, priority)) as outputs:
-            async for output in outputs:
+        stream = self._add_request(prompt, params, request_id, priority)
+        try:
+            while True:
+                output = await stream.get()
                 yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._abort_nowait(stream.request_id)
 
     async def chat(
         self,
@@ -240,27 +246,11 @@ class AsyncLLM:
         without a chat template; otherwise as `generate()`. `out.prompt` is the rendered text.
         """
         prompt = render_chat(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
-        async with aclosing(self._generate(prompt, params, request_id, priority)) as outputs:
+        # Closing this generator closes generate()'s at once, which aborts the request.
+        outputs = self.generate(prompt, params, request_id=request_id, priority=priority)
+        async with aclosing(outputs):
             async for output in outputs:
                 yield output
-
-    async def _generate(
-        self,
-        prompt: Prompt | ChatPrompt,
-        params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        stream = self._add_request(prompt, params, request_id, priority)
-        try:
-            while True:
-                output = await stream.get()
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not stream.finished:
-                self._abort_nowait(stream.request_id)
 
     def _add_request(
         self,
@@ -317,11 +307,8 @@ class AsyncLLM:
         if state.dead_error is not None or state.closing:
             self._check_running()
         state.draining = True
-        if state.idle is None:
-            state.idle = anyio.Event()
-        self._note_if_idle()
         with anyio.move_on_after(timeout):
-            await state.idle.wait()
+            await self._wait_finished(list(state.streams))
         left = list(state.streams)
         for request_id in left:
             self.abort(request_id)
@@ -404,14 +391,12 @@ class AsyncLLM:
         """True once `drain()` was called: new requests are refused."""
         return self._state.draining
 
-    def _note_if_idle(self) -> None:
-        """Called whenever streams end: wake who waits for that."""
+    def _on_streams_ended(self) -> None:
+        """Called whenever streams end: wakes `_wait_finished`."""
         state = self._state
         if state.stream_ended is not None:
             state.stream_ended.set()
             state.stream_ended = None
-        if state.idle is not None and not state.streams:
-            state.idle.set()
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort". Unknown ids: no-op."""
@@ -426,7 +411,7 @@ class AsyncLLM:
 
     def _abort_nowait(self, request_id: str) -> None:
         self._state.streams.pop(request_id, None)
-        self._note_if_idle()
+        self._on_streams_ended()
         op, client = self._output_processor, self._core_client
         if op is None or client is None:
             return
@@ -572,14 +557,14 @@ class AsyncLLM:
             failed = streams.pop(request_id, None)
             if failed is not None:
                 failed.put_failure(error)
-                self._note_if_idle()
+                self._on_streams_ended()
         for output in processed.request_outputs:
             stream = streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
                 if output.finished:
                     del streams[output.request_id]
-                    self._note_if_idle()
+                    self._on_streams_ended()
         if processed.core_ids_to_abort:  # stop strings: the core still runs these sequences
             client.abort_requests_nowait(processed.core_ids_to_abort)
 
@@ -613,7 +598,7 @@ class AsyncLLM:
         for stream in self._state.streams.values():
             stream.put_dead(reason)
         self._state.streams.clear()
-        self._note_if_idle()
+        self._on_streams_ended()
         for waiter in self._state.utility_waiters.values():
             if waiter.result is None:  # an answer that arrived before the death stands
                 waiter.dead = reason

@@ -18,7 +18,7 @@ from asyncengine.client.chat import ChatPrompt
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreRequest
-from asyncengine.request_limits import RequestLimits
+from asyncengine.request_limits import RequestLimits, check_token_ids
 from asyncengine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -57,16 +57,10 @@ class InputProcessor:
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(cast("Sequence[int]", prompt))
             text = None
-            vocab = self.vocab_size
-            bad = [
-                t for t in token_ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-            ]  # fmt: skip
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be integers in [0, {vocab}) (the model's vocabulary); "
-                    f"got {bad[:5]!r}"
-                )
+            not_ints = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
+            if not_ints:
+                raise ValueError(f"prompt token ids must be integers; got {not_ints[:5]!r}")
+            check_token_ids(token_ids, self.vocab_size)
         else:
             raise ValueError(
                 f"prompt must be a string or a sequence of token ids, not {type(prompt).__name__}"

@@ -101,7 +101,8 @@ def _start(
     from asyncengine.model.loader import import_model_code
 
     # A worker process is the engine's own, like the core's: see import_model_code.
-    import_model_code(config.model_config, freeze=True, tensor_parallel=True)
+    # The same choice load_model_forward makes: only a sharded model needs transformers.
+    import_model_code(config.model_config, freeze=True, tensor_parallel=world_size > 1)
 
     import torch
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import anyio
 
+from asyncengine.client.input_processor import request_limits
 from asyncengine.entrypoints.openai.errors import bad_request, from_value_error
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.outputs import RequestOutput
-from asyncengine.request_limits import RequestLimits
+from asyncengine.request_limits import check_token_ids
 from asyncengine.sampling_params import SamplingParams
 
 # Called with (prompt index, DELTA output) for every output of every prompt.
@@ -36,13 +37,11 @@ def check_prompt(
 ) -> None:
     """400 (naming `param`, or `max_tokens`) for a prompt the engine would refuse."""
     model_config = state.engine.config.model_config
-    cache_config = state.engine.config.cache_config
     num_tokens, max_len = len(prompt.token_ids), model_config.max_model_len
-    if num_tokens == 0:
-        raise bad_request("the prompt is empty: give at least one token", param)
-    vocab = model_config.vocab_size
-    if any(not 0 <= t < vocab for t in prompt.token_ids):
-        raise bad_request(f"prompt token ids must be in [0, {vocab})", param)
+    try:
+        check_token_ids(prompt.token_ids, model_config.vocab_size)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
     if num_tokens >= max_len:
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens, but the prompt has "
@@ -56,14 +55,8 @@ def check_prompt(
             f"{params.max_tokens} for the completion).",
             "max_tokens",
         )
-    limits = RequestLimits(
-        max_len,
-        cache_config.block_size,
-        cache_config.num_kv_blocks or 0,
-        state.engine.config.scheduler_config.max_num_seqs,
-    )
     try:
-        limits.check("this request", num_tokens, params)
+        request_limits(state.engine.config).check("this request", num_tokens, params)
     except ValueError as exc:
         error = from_value_error(exc)  # names `n` for too many sequences
         raise (error if error.param else bad_request(str(exc), "max_tokens")) from None

@@ -80,8 +80,7 @@ class ChatServing:
         return Response(body or b"", media_type="application/json")
 
     def _prompt(self, req: ChatCompletionRequest) -> EnginePrompt:
-        if not req.messages:
-            raise bad_request("messages is empty: give at least one message", "messages")
+        # Content parts are flattened here; render_chat checks the rest (empty list, roles).
         messages: list[dict[str, Any]] = []
         for i, message in enumerate(req.messages):
             content = message.content
