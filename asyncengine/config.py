@@ -19,6 +19,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority", "sjf")
 _EXECUTOR_BACKENDS = ("uni", "mp")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+_DP_BACKENDS = ("mp", "ray")
+_DP_ROUTINGS = ("prefix", "load", "round_robin")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
 # The default token budget of a step, for serving (AsyncLLM). On CPUs a 2,048-token prefill
 # step of a 135M model takes ~0.5 s, and every request admitted in it waits that long for its
@@ -79,10 +81,32 @@ class DeviceConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How many workers share the model, and how they are run."""
+    """How many workers share the model, how many engine cores serve it, and how they run."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # resolved: uni | mp
+    # Data parallel: this many engine cores (ranks), each a full core with its own executor.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # which rank this core is (set by the launcher, per rank)
+    data_parallel_backend: str = "mp"  # mp: processes here | ray: Ray actors, any node
+    data_parallel_routing: str = "prefix"  # prefix | load | round_robin (client/dp_router.py)
+    data_parallel_fail_fast: bool = False  # one dead rank kills the engine
+    # Compute threads of each worker (None: this machine's cores shared among every worker
+    # of every rank on it, at least one each).
+    num_threads: int | None = None
+
+    @property
+    def workers_per_machine(self) -> int:
+        """Workers that share this machine's cores (every rank's, with the mp backend)."""
+        ranks_here = self.data_parallel_size if self.data_parallel_backend == "mp" else 1
+        return ranks_here * self.tensor_parallel_size
+
+    def threads_per_worker(self) -> int:
+        """How many compute threads one worker should use (num_threads, or its share)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return max(1, (cores or os.cpu_count() or 1) // self.workers_per_machine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +143,11 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         attention_backend: str = "auto",
+        data_parallel_size: int = 1,
+        data_parallel_backend: str = "mp",
+        data_parallel_routing: str = "prefix",
+        data_parallel_fail_fast: bool = False,
+        num_threads: int | None = None,
     ) -> EngineConfig:
         """Validate the keywords and read the model's config; raises ValueError naming the field."""
         model_dir = Path(model).expanduser()
@@ -175,6 +204,16 @@ class EngineConfig:
                 f"tensor_parallel_size={tensor_parallel_size}: use 'mp' for more than one"
             )
 
+        _check_int("data_parallel_size", data_parallel_size, 1)
+        _check_choice("data_parallel_backend", data_parallel_backend, _DP_BACKENDS)
+        _check_choice("data_parallel_routing", data_parallel_routing, _DP_ROUTINGS)
+        if not isinstance(data_parallel_fail_fast, bool):
+            raise ValueError(
+                f"data_parallel_fail_fast={data_parallel_fail_fast!r}: must be True or False"
+            )
+        if num_threads is not None:
+            _check_int("num_threads", num_threads, 1)
+
         model_len_limit = _model_len_limit(hf)
         if max_model_len is None:
             max_model_len = model_len_limit
@@ -226,8 +265,19 @@ class EngineConfig:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,
+                data_parallel_size=data_parallel_size,
+                data_parallel_backend=data_parallel_backend,
+                data_parallel_routing=data_parallel_routing,
+                data_parallel_fail_fast=data_parallel_fail_fast,
+                num_threads=num_threads,
             ),
             step_timeout=float(step_timeout),
+        )
+
+    def for_rank(self, rank: int) -> EngineConfig:
+        """The config of data-parallel rank `rank`'s engine core."""
+        return dataclasses.replace(
+            self, parallel_config=dataclasses.replace(self.parallel_config, data_parallel_rank=rank)
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:

@@ -57,3 +57,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True, frozen=True)
+class RankHealth:
+    """One data-parallel rank: serving, or dead (and why)."""
+
+    rank: int
+    healthy: bool
+    error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineHealth:
+    """What `AsyncLLM.check_health()` found: every rank's state (one rank without data
+    parallel). `degraded`: some rank is dead while others serve."""
+
+    ranks: tuple[RankHealth, ...]
+
+    @property
+    def degraded(self) -> bool:
+        return any(not r.healthy for r in self.ranks)
+
+    @property
+    def status(self) -> str:
+        """ "ok" or "degraded" (a dead engine raises instead of reporting)."""
+        return "degraded" if self.degraded else "ok"

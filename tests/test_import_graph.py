@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.ipc", "asyncengine.sched.output"),
     # The public types and the helpers every layer may use.
     (
+        "asyncengine.block_hash",
         "asyncengine.child_process",
         "asyncengine.config",
         "asyncengine.errors",

@@ -29,6 +29,7 @@ from asyncengine.client.core_client import (
     UNRESPONSIVE_AFTER_S,
     EngineCoreClient,
     ProcCoreClient,
+    RankDied,
     ThreadCoreClient,
 )
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
@@ -44,7 +45,7 @@ from asyncengine.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import EngineHealth, RankHealth, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class _State:
     sleep_level: int = 0  # 0: awake
     stream_ended: anyio.Event | None = None  # set (and replaced) whenever a stream ends
     # While paused: new requests wait here, in the client, and go to the core on resume.
-    held: list[EngineCoreRequest] = field(default_factory=list)
+    held: list[tuple[EngineCoreRequest, int | None]] = field(default_factory=list)
     dead_error: EngineDeadError | None = None
     streams: dict[str, RequestStream] = field(default_factory=dict)
     utility_waiters: dict[int, _UtilityWaiter] = field(default_factory=dict)
@@ -97,6 +98,11 @@ class AsyncLLM:
             raise ValueError(f"core={core!r} is invalid: must be one of {', '.join(CORE_KINDS)}")
         if not startup_timeout > 0:
             raise ValueError(f"startup_timeout={startup_timeout!r} is invalid: must be > 0")
+        if core == "thread" and config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.parallel_config.data_parallel_size} needs "
+                "core='process': ranks are processes (or Ray actors)"
+            )
         self._config = config
         self._core_kind = core
         self._startup_timeout = float(startup_timeout)
@@ -138,11 +144,7 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM was already started; make a new one")
         self._state.started = True
         model_dir = self._config.model_config.model
-        client: EngineCoreClient
-        if self._core_kind == "process":
-            client = ProcCoreClient(self._config, self._startup_timeout)
-        else:
-            client = ThreadCoreClient(self._config)
+        client = self._make_core_client()
         self._core_client = client
         try:
             # A spawned core imports torch and loads the model while we load the tokenizer.
@@ -165,6 +167,18 @@ class AsyncLLM:
         tg.start_soon(self._output_handler, name="AsyncLLM output handler")
         tg.start_soon(self._monitor_core, name="AsyncLLM core monitor")
         return self
+
+    def _make_core_client(self) -> EngineCoreClient:
+        if self._core_kind == "thread":
+            return ThreadCoreClient(self._config)
+        parallel = self._config.parallel_config
+        if parallel.data_parallel_size == 1 and parallel.data_parallel_backend == "mp":
+            return ProcCoreClient(self._config, self._startup_timeout)
+        if parallel.data_parallel_backend == "ray":
+            raise ValueError("data_parallel_backend='ray' is not available yet: use 'mp'")
+        from asyncengine.client.dp_client import DPCoreClient
+
+        return DPCoreClient(self._config, self._startup_timeout)
 
     async def __aexit__(
         self,
@@ -209,6 +223,7 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (shaped by `params.output_kind`) until it finishes.
 
@@ -218,8 +233,9 @@ class AsyncLLM:
         EngineOverloadedError when `max_queued_requests` requests wait already;
         EngineDrainingError after `drain()`; EngineDeadError if the engine is gone, or dies
         meanwhile. `prompt` may also be a `ChatPrompt` that `render_chat` made.
+        `data_parallel_rank` pins the request to that rank (with data parallel; else 0).
         """
-        stream = self._add_request(prompt, params, request_id, priority)
+        stream = self._add_request(prompt, params, request_id, priority, data_parallel_rank)
         try:
             while True:
                 output = await stream.get()
@@ -238,6 +254,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """`generate()` for a conversation: `messages` (`[{"role", "content"}, ...]`) rendered
         with the model's chat template, with the assistant's turn to come.
@@ -247,7 +264,13 @@ class AsyncLLM:
         """
         prompt = render_chat(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
         # Closing this generator closes generate()'s at once, which aborts the request.
-        outputs = self.generate(prompt, params, request_id=request_id, priority=priority)
+        outputs = self.generate(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+        )
         async with aclosing(outputs):
             async for output in outputs:
                 yield output
@@ -258,8 +281,10 @@ class AsyncLLM:
         params: SamplingParams | None,
         request_id: str | None,
         priority: int,
+        data_parallel_rank: int | None = None,
     ) -> RequestStream:
         self._check_running()
+        self._check_rank(data_parallel_rank)
         if self._state.draining:
             raise EngineDrainingError("the engine is draining: it takes no new requests")
         ip, op, client = self._input_processor, self._output_processor, self._core_client
@@ -278,12 +303,12 @@ class AsyncLLM:
         stream = RequestStream(request.request_id, request.params.output_kind)
         self._state.streams[request.request_id] = stream
         if self._state.paused:
-            self._state.held.extend(request.core_requests)
+            self._state.held.extend((r, data_parallel_rank) for r in request.core_requests)
             return stream
         sent: list[str] = []
         try:
             for core_request in request.core_requests:
-                client.add_request_nowait(core_request)
+                client.add_request_nowait(core_request, data_parallel_rank)
                 sent.append(core_request.request_id)
         except BaseException:
             # Nothing of a request that could not be sent stays behind, here or in the core.
@@ -293,6 +318,19 @@ class AsyncLLM:
                 client.abort_requests_nowait(sent)
             raise
         return stream
+
+    def _check_rank(self, rank: int | None) -> None:
+        if rank is None:
+            return
+        assert self._core_client is not None
+        size = self._core_client.data_parallel_size
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+            raise ValueError(
+                f"data_parallel_rank={rank!r} is invalid: must be an integer in [0, {size})"
+            )
+        dead = self._core_client.rank_errors().get(rank)
+        if dead is not None:
+            raise EngineDeadError(f"data_parallel_rank={rank} is dead: {dead}")
 
     async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Stop admitting requests and let those in flight finish.
@@ -346,10 +384,10 @@ class AsyncLLM:
         held, state.held = state.held, []
         assert self._core_client is not None and self._output_processor is not None
         live = self._output_processor.requests
-        for core_request in held:
+        for core_request, rank in held:
             # Requests abandoned while held never reach the core.
             if core_request.request_id.partition("#")[0] in live:
-                self._core_client.add_request_nowait(core_request)
+                self._core_client.add_request_nowait(core_request, rank)
 
     async def sleep(self, level: int = 1) -> None:
         """Release memory while the engine is idle: level 1 the KV cache, level 2 the weights
@@ -421,13 +459,14 @@ class AsyncLLM:
 
     # ---- utility calls -------------------------------------------------------------------
 
-    async def check_health(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+    async def check_health(self, timeout: float = 10.0) -> EngineHealth:  # noqa: ASYNC109
         """A round trip to the core: EngineDeadError if it is gone, TimeoutError if it does
         not answer within `timeout` seconds (it is hung, or stuck in a very long step).
 
         The timeout is part of what is checked, hence a parameter rather than a cancel scope.
         A core process that has sent nothing (not even its heartbeat) for a few seconds fails
-        at once: it is stopped or hung.
+        at once: it is stopped or hung. With data parallel, every live rank answers, and the
+        result says which ranks are dead (`degraded`) while the others serve.
         """
         self._check_running()
         assert self._core_client is not None
@@ -444,6 +483,13 @@ class AsyncLLM:
             raise TimeoutError(
                 f"the engine core did not answer a health check within {timeout} s"
             ) from None
+        dead = self._core_client.rank_errors()
+        return EngineHealth(
+            tuple(
+                RankHealth(rank, rank not in dead, dead.get(rank))
+                for rank in range(self._core_client.data_parallel_size)
+            )
+        )
 
     async def statistics(self, timeout: float = 10.0) -> EngineStats:  # noqa: ASYNC109
         """A frozen snapshot of the core: running/waiting requests, KV blocks used/total,
@@ -534,6 +580,9 @@ class AsyncLLM:
         try:
             while True:
                 for outputs in await client.get_outputs():
+                    if isinstance(outputs, RankDied):
+                        self._fail_rank(outputs)
+                        continue
                     if outputs.engine_dead is not None:
                         self._set_dead(f"the engine core died: {outputs.engine_dead}")
                         return
@@ -567,6 +616,19 @@ class AsyncLLM:
                     self._on_streams_ended()
         if processed.core_ids_to_abort:  # stop strings: the core still runs these sequences
             client.abort_requests_nowait(processed.core_ids_to_abort)
+
+    def _fail_rank(self, died: RankDied) -> None:
+        """One data-parallel rank died: its requests end with EngineDeadError; the others
+        serve on."""
+        op = self._output_processor
+        assert op is not None
+        reason = f"the engine core's data-parallel {died.reason}"
+        for request_id in {core_id.partition("#")[0] for core_id in died.request_ids}:
+            stream = self._state.streams.pop(request_id, None)
+            op.abort_requests([request_id])  # forget it (the core that held it is gone)
+            if stream is not None:
+                stream.put_dead(reason)
+        self._on_streams_ended()
 
     def _resolve_utility(self, result: UtilityResult) -> None:
         waiter = self._state.utility_waiters.get(result.call_id)

@@ -17,10 +17,11 @@ import collections
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,25 +30,19 @@ import msgspec
 import zmq
 
 from asyncengine.child_process import ChildProcess
+from asyncengine.client.core_process import CoreProcess, readable, socket_fd
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineStartupError, describe_exception
 from asyncengine.ipc.messages import (
-    EngineCoreLaunch,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    HandshakeAddresses,
-    HandshakeFailed,
-    HandshakeHello,
-    HandshakeMessage,
-    HandshakeReady,
     UtilityCall,
 )
 from asyncengine.ipc.serial import (
     MsgpackEncoder,
     RequestPayload,
     encode_request,
-    handshake_decoder,
     outputs_decoder,
 )
 from asyncengine.ipc.sockets import (
@@ -64,17 +59,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SHUTDOWN_JOIN_S = 5.0  # terminate → join this long → kill
+_SHUTDOWN_JOIN_S = 5.0  # a core thread stuck in a step is given this long
 # The core sends something at least every HEARTBEAT_INTERVAL_S (0.5 s); silent this long, it
 # is stopped or hung: health checks fail at once. Silent past its step_timeout, it is dead.
 UNRESPONSIVE_AFTER_S = 3.0
 _MAX_OUTPUTS_PER_BATCH = 64  # messages taken per get_outputs(), to keep the loop responsive
 
 
-class EngineCoreClient(ABC):
-    """The client's end of one engine core."""
+@dataclass(frozen=True, slots=True)
+class RankDied:
+    """Among the outputs: one data-parallel rank is gone while others serve on.
 
-    num_kv_blocks: int = 0  # known once the core is ready
+    `request_ids` are the core request ids that were on it: their streams end with
+    EngineDeadError. (When the last rank goes, or with data_parallel_fail_fast, the engine
+    as a whole is dead instead: `wait_dead()` returns.)
+    """
+
+    rank: int
+    reason: str
+    request_ids: list[str]
+
+
+class EngineCoreClient(ABC):
+    """The client's end of the engine core (or of several, with data parallel)."""
+
+    num_kv_blocks: int = 0  # known once the core is ready (the sum over the ranks)
 
     async def launch(self) -> None:
         """Set the core's start-up going without waiting for it; `start()` then waits.
@@ -89,27 +98,41 @@ class EngineCoreClient(ABC):
         """Start the core and wait until it serves; EngineStartupError with the root cause."""
 
     @abstractmethod
-    def add_request_nowait(self, request: EngineCoreRequest) -> None: ...
+    def add_request_nowait(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
+        """Send a request; with data parallel, to `data_parallel_rank` or where the router
+        says (the n > 1 copies of one request, `id#i`, go where their first went)."""
 
     @abstractmethod
     def abort_requests_nowait(self, request_ids: list[str]) -> None: ...
 
     @abstractmethod
     def call_utility_nowait(self, call: UtilityCall) -> None:
-        """Send a utility call; its UtilityResult arrives among the outputs."""
+        """Send a utility call; its UtilityResult arrives among the outputs (with data
+        parallel: one result, combining every live rank's)."""
 
     @abstractmethod
-    async def get_outputs(self) -> list[EngineCoreOutputs]:
+    async def get_outputs(self) -> list[EngineCoreOutputs | RankDied]:
         """Wait for outputs from the core and return every message that has arrived."""
 
     @abstractmethod
     async def wait_dead(self) -> str:
         """Return, with a reason, when the core has died by itself (never on shutdown()),
-        or has been silent past its step_timeout (it is then killed)."""
+        or has been silent past its step_timeout (it is then killed). With data parallel:
+        when no rank is left (or one died, with data_parallel_fail_fast)."""
 
     def silent_for(self) -> float:
         """Seconds since the core was last heard from (0 where it cannot be silent)."""
         return 0.0
+
+    def rank_errors(self) -> dict[int, str]:
+        """Data-parallel ranks that died, with why (the engine serves on the others)."""
+        return {}
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
 
     @abstractmethod
     async def shutdown(self) -> None:
@@ -120,20 +143,19 @@ class EngineCoreClient(ABC):
 
 
 class ProcCoreClient(EngineCoreClient):
+    """One core process (CoreProcess), its input (PUSH) and output (PULL) sockets."""
+
     def __init__(self, config: EngineConfig, startup_timeout: float) -> None:
         self.config = config
-        self.startup_timeout = startup_timeout
-        self.proc: ChildProcess | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket_dir = make_private_socket_dir()
-        self._handshake_address = ipc_address(self._socket_dir, "handshake")
-        self.input_address = ipc_address(self._socket_dir, "input")
+        self.core = CoreProcess(
+            self._ctx, config, self._socket_dir, startup_timeout=startup_timeout
+        )
         self._output_address = ipc_address(self._socket_dir, "output")
-        self._handshake: zmq.Socket[bytes] | None = None
         self._output: zmq.Socket[bytes] | None = None
         self._input: zmq.Socket[bytes] | None = None
         self._encoder = MsgpackEncoder()
-        self._deadline = 0.0  # for READY, set when the core is spawned
         self._shut_down = False
         self._last_heard = time.monotonic()  # any message, heartbeats included
 
@@ -141,89 +163,32 @@ class ProcCoreClient(EngineCoreClient):
     def socket_dir(self) -> Path:
         return self._socket_dir
 
+    @property
+    def proc(self) -> ChildProcess | None:
+        return self.core.proc
+
     async def launch(self) -> None:
         try:
             await self._launch()
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.shutdown()
+            await self.shutdown()
             raise
 
     async def start(self) -> None:
         try:
             await self._launch()
-            await self._start()
+            # HELLO → our addresses → READY, then connect to the input socket it bound.
+            await self.core.wait_ready([self._output_address])
+            self.num_kv_blocks = self.core.num_kv_blocks
+            self._input = make_socket(self._ctx, self.core.input_address, zmq.PUSH, bind=False)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.shutdown()
+            await self.shutdown()
             raise
 
     async def _launch(self) -> None:
-        """Bind the handshake and output sockets, then start the core's process (once)."""
-        if self.proc is not None:
-            return
-        self._deadline = time.monotonic() + self.startup_timeout
-        self._handshake = make_socket(self._ctx, self._handshake_address, zmq.ROUTER, bind=True)
-        self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
-        launch = EngineCoreLaunch(self.config, self._handshake_address)
-        self.proc = ChildProcess(
-            "asyncengine.core.engine_core_proc",
-            self._encoder.encode(launch),
-            name="AsyncEngineCore",
-        )
-        await anyio.to_thread.run_sync(self.proc.start)
-
-    async def _start(self) -> None:
-        # 1. Sockets bound and the core spawned (_launch). 2. HELLO → our addresses.
-        handshake, deadline = self._handshake, self._deadline
-        assert handshake is not None
-        identity, hello = await self._recv_handshake(deadline)
-        if not isinstance(hello, HandshakeHello):
-            raise EngineStartupError(f"engine core sent {type(hello).__name__} before HELLO")
-        addresses = HandshakeAddresses(self.input_address, self._output_address)
-        handshake.send_multipart([identity, self._encoder.encode(addresses)])
-        # 3. READY (model loaded, KV cache allocated) or FAILED with the root cause.
-        _, message = await self._recv_handshake(deadline)
-        if isinstance(message, HandshakeFailed):
-            raise EngineStartupError(f"engine core failed to start: {message.error}")
-        if not isinstance(message, HandshakeReady):
-            raise EngineStartupError(f"engine core sent {type(message).__name__}, not READY")
-        self.num_kv_blocks = message.num_kv_blocks
-        handshake.close()
-        # 4. The core has bound its input socket: connect to it.
-        self._input = make_socket(self._ctx, self.input_address, zmq.PUSH, bind=False)
-
-    async def _recv_handshake(self, deadline: float) -> tuple[bytes, HandshakeMessage]:
-        sock, proc = self._handshake, self.proc
-        assert sock is not None and proc is not None
-        died_at: float | None = None
-        while True:
-            try:
-                identity, payload = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            else:
-                try:
-                    return identity, handshake_decoder.decode(payload)
-                except msgspec.DecodeError as exc:
-                    raise EngineStartupError(f"malformed handshake message: {exc}") from exc
-            if _readable(sock):
-                continue
-            now = time.monotonic()
-            if not proc.is_alive():
-                # A FAILED message sent just before the exit may still be in flight.
-                died_at = died_at or now
-                if now - died_at > 0.5:
-                    raise EngineStartupError(
-                        f"engine core process exited during start-up ({_exit_desc(proc)}); "
-                        "see its log above for the cause"
-                    )
-            if now > deadline:
-                raise EngineStartupError(
-                    f"engine core did not become ready within {self.startup_timeout} s"
-                )
-            with anyio.move_on_after(min(0.1, deadline - now)):
-                await anyio.wait_readable(_fd(sock))
+        if self._output is None:
+            self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
+        await self.core.launch()
 
     def _send(self, request_type: EngineCoreRequestType, payload: RequestPayload) -> None:
         if self._input is None:
@@ -233,7 +198,9 @@ class ProcCoreClient(EngineCoreClient):
             encode_request(self._encoder, request_type, payload), zmq.NOBLOCK
         )
 
-    def add_request_nowait(self, request: EngineCoreRequest) -> None:
+    def add_request_nowait(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
         self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
@@ -243,59 +210,40 @@ class ProcCoreClient(EngineCoreClient):
     def call_utility_nowait(self, call: UtilityCall) -> None:
         self._send(EngineCoreRequestType.UTILITY, call)
 
-    async def get_outputs(self) -> list[EngineCoreOutputs]:
+    async def get_outputs(self) -> list[EngineCoreOutputs | RankDied]:
         sock = self._output
         assert sock is not None
-        fd = _fd(sock)
-        while True:
-            frames: list[bytes] = []
-            while len(frames) < _MAX_OUTPUTS_PER_BATCH:
-                try:
-                    frames.append(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-            if frames:
-                self._last_heard = time.monotonic()
-                return _decode_outputs(frames)
-            if _readable(sock):
-                continue
-            await anyio.wait_readable(fd)
+        frames = await recv_frames(sock)
+        self._last_heard = time.monotonic()
+        return list(decode_outputs(frames))
 
     def silent_for(self) -> float:
         return time.monotonic() - self._last_heard
 
     async def wait_dead(self) -> str:
-        proc = self.proc
-        assert proc is not None
+        core = self.core
         self._last_heard = time.monotonic()  # serving starts now
         limit = self.config.step_timeout
-        while True:
-            with anyio.move_on_after(0.5):
-                await anyio.wait_readable(proc.sentinel)
-                break
+        while not await core.wait_exit():
             silent = self.silent_for()
             if silent > limit:
                 # Stopped (SIGSTOP) or hung beyond its own watchdog: it will never answer.
-                await anyio.to_thread.run_sync(_stop_process_tree, proc, True)
+                await core.stop(kill=True)
                 return (
-                    f"engine core process (pid {proc.pid}) sent nothing for {silent:.1f} s, "
+                    f"engine core process (pid {core.pid}) sent nothing for {silent:.1f} s, "
                     f"past step_timeout={limit:g} s: it was stopped or hung, and is killed"
                 )
-        # The sentinel closes as the process exits, a moment before it can be reaped.
-        await anyio.to_thread.run_sync(proc.join, 1.0)
-        return f"engine core process (pid {proc.pid}) died: {_exit_desc(proc)}"
+        return f"engine core process (pid {core.pid}) died: {core.exit_desc()}"
 
     async def shutdown(self) -> None:
         if self._shut_down:
             return
         self._shut_down = True
         with anyio.CancelScope(shield=True):
-            for sock in (self._input, self._handshake):
-                if sock is not None:
-                    sock.close(linger=0)
+            if self._input is not None:
+                self._input.close(linger=0)
             self._input = None
-            if self.proc is not None and self.proc.pid is not None:
-                await anyio.to_thread.run_sync(_stop_process_tree, self.proc)
+            await self.core.stop()
             if self._output is not None:
                 self._output.close(linger=0)
             self._ctx.term()
@@ -305,62 +253,29 @@ class ProcCoreClient(EngineCoreClient):
             sweep_stale_socket_dirs()
 
 
-def _fd(sock: zmq.Socket[bytes]) -> int:
-    """The socket's edge-triggered notification FD (readable when its events may have changed)."""
-    return int(sock.getsockopt(zmq.FD))
+async def recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """Wait until `sock` has messages; take up to _MAX_OUTPUTS_PER_BATCH of them."""
+    fd = socket_fd(sock)
+    while True:
+        frames: list[bytes] = []
+        while len(frames) < _MAX_OUTPUTS_PER_BATCH:
+            try:
+                frames.append(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        if frames:
+            return frames
+        if readable(sock):
+            continue
+        await anyio.wait_readable(fd)
 
 
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    # Reading EVENTS also re-arms the FD's edge: check it before waiting again.
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _decode_outputs(frames: list[bytes]) -> list[EngineCoreOutputs]:
-    decoded = []
+def decode_outputs(frames: list[bytes]) -> Iterator[EngineCoreOutputs]:
     for frame in frames:
         try:
-            decoded.append(outputs_decoder.decode(frame))
+            yield outputs_decoder.decode(frame)
         except msgspec.DecodeError as exc:
             logger.warning("dropped a malformed frame from the engine core: %s", exc)
-    return decoded
-
-
-def _stop_process_tree(proc: ChildProcess, kill: bool = False) -> None:
-    """terminate → join (5 s) → kill, for the core and every process it started; with
-    `kill`, kill at once (a stopped or hung process would never act on SIGTERM)."""
-    import psutil
-
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    if kill:
-        proc.kill()
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(_SHUTDOWN_JOIN_S)
-    if proc.is_alive():
-        logger.warning("engine core did not stop within %.0f s: killing it", _SHUTDOWN_JOIN_S)
-        proc.kill()
-        proc.join(_SHUTDOWN_JOIN_S)
-    for child in children:
-        with contextlib.suppress(psutil.Error):  # already gone
-            child.kill()
-    psutil.wait_procs(children, timeout=_SHUTDOWN_JOIN_S)
-    proc.join(timeout=0)
-    proc.close()
-
-
-def _exit_desc(proc: ChildProcess) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 # ---- the core in a thread of this process -----------------------------------------------------
@@ -422,7 +337,7 @@ class ThreadCoreClient(EngineCoreClient):
             logger.exception("engine core failed")
             self._emit(EngineCoreOutputs(engine_dead=describe_exception(exc)))
 
-    def _emit(self, outputs: EngineCoreOutputs) -> None:
+    def _emit(self, outputs: EngineCoreOutputs, client: int | None = None) -> None:
         # Called from the core's thread.
         self._outputs.append(outputs)
         # A full pipe means a wake-up is pending already; a closed one, that we shut down.
@@ -433,7 +348,9 @@ class ThreadCoreClient(EngineCoreClient):
         if self._loop is not None and not self._shut_down:
             self._loop.input_queue.put((request_type, payload))
 
-    def add_request_nowait(self, request: EngineCoreRequest) -> None:
+    def add_request_nowait(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> None:
         self._put(EngineCoreRequestType.ADD, request)
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
@@ -443,14 +360,14 @@ class ThreadCoreClient(EngineCoreClient):
     def call_utility_nowait(self, call: UtilityCall) -> None:
         self._put(EngineCoreRequestType.UTILITY, call)
 
-    async def get_outputs(self) -> list[EngineCoreOutputs]:
+    async def get_outputs(self) -> list[EngineCoreOutputs | RankDied]:
         while True:
             try:
                 while os.read(self._wake_r, 4096):
                     pass
             except BlockingIOError:
                 pass
-            batch: list[EngineCoreOutputs] = []
+            batch: list[EngineCoreOutputs | RankDied] = []
             while self._outputs and len(batch) < _MAX_OUTPUTS_PER_BATCH:
                 batch.append(self._outputs.popleft())
             if batch:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.factory import executor_class
-from asyncengine.ipc.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from asyncengine.ipc.messages import CoreLoad, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.scheduler import Scheduler
 
@@ -78,6 +78,13 @@ class EngineCore:
     def statistics(self) -> EngineStats:
         """A frozen snapshot: queues, KV blocks, prefix-cache hits."""
         return self.scheduler.statistics()
+
+    def load(self) -> CoreLoad:
+        """Waiting and running requests and KV usage now (cheap: after every step)."""
+        scheduler = self.scheduler
+        return CoreLoad(
+            len(scheduler.waiting), len(scheduler.running), scheduler.kv_cache_manager.usage
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (blocks in use stay allocated); returns True."""

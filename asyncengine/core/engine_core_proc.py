@@ -35,11 +35,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import zmq
 
 from asyncengine.child_process import read_payload
 from asyncengine.errors import describe_exception
 from asyncengine.ipc.messages import (
+    CoreLoad,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -83,8 +85,11 @@ _OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CO
 
 _SHUTDOWN = object()  # on input_queue: leave the busy loop; on output_queue: stop the IO thread
 
+_LOAD_REPORT_INTERVAL_S = 0.05  # steps with no outputs report a changed load this often
+
 InputItem = tuple[EngineCoreRequestType, Any] | object
-Emit = Callable[[EngineCoreOutputs], None]
+# emit(outputs, client_index): send to that client, or to every client (None).
+Emit = Callable[[EngineCoreOutputs, "int | None"], None]
 
 
 class ExecutorFailedError(RuntimeError):
@@ -95,13 +100,22 @@ class EngineCoreLoop:
     """The busy loop around one EngineCore; transport-agnostic.
 
     Requests arrive on `input_queue` as (EngineCoreRequestType, payload) pairs, or `_SHUTDOWN`;
-    every EngineCoreOutputs worth sending goes to `emit`. `run_busy_loop` returns on shutdown
-    and raises on a fatal error (the caller reports ENGINE_CORE_DEAD).
+    every EngineCoreOutputs worth sending goes to `emit`, with the index of the client it
+    belongs to (several API server processes may share one core). `run_busy_loop` returns on
+    shutdown and raises on a fatal error (the caller reports ENGINE_CORE_DEAD).
     """
 
-    def __init__(self, engine_core: EngineCore, emit: Emit) -> None:
+    def __init__(
+        self, engine_core: EngineCore, emit: Emit, num_clients: int = 1, rank: int = 0
+    ) -> None:
         self.engine_core = engine_core
         self.emit = emit
+        self.num_clients = num_clients
+        self.rank = rank  # data-parallel rank
+        # With several clients: the client of each request in the core, to route its outputs.
+        self._client_of: dict[str, int] = {}
+        self.last_load = CoreLoad(0, 0, 0.0)  # read by the output thread for heartbeats
+        self._last_report = 0.0
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.step_started: float | None = None  # time.monotonic() of the step in progress
         self.paused = False  # no steps until resumed (AsyncLLM.pause_generation)
@@ -139,9 +153,36 @@ class EngineCoreLoop:
             self.step_started = time.monotonic()
             outputs = self.engine_core.step()
             self.step_started = None
-            # 3. Hand the step's outputs on.
+            # 3. Hand the step's outputs on, with the load they leave (for the DP router).
+            load = self.engine_core.load()
             if outputs.outputs:
-                self.emit(outputs)
+                outputs.load = load
+                self._emit_outputs(outputs)
+            elif load != self.last_load and (
+                time.monotonic() - self._last_report > _LOAD_REPORT_INTERVAL_S
+            ):
+                self.emit(EngineCoreOutputs(timestamp=time.monotonic(), load=load), None)
+                self._last_report = time.monotonic()
+            self.last_load = load
+
+    def _emit_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Send each request's outputs to its own client (one message each)."""
+        self._last_report = time.monotonic()
+        if self.num_clients == 1:
+            self.emit(outputs, 0)
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs.outputs:
+            if output.finished:
+                client = self._client_of.pop(output.request_id, 0)
+            else:
+                client = self._client_of.get(output.request_id, 0)
+            by_client.setdefault(client, []).append(output)
+        for client, group in by_client.items():
+            self.emit(
+                EngineCoreOutputs(outputs=group, timestamp=outputs.timestamp, load=outputs.load),
+                client,
+            )
 
     def _process_input_queue(self) -> bool:
         """Handle queued requests; False once SHUTDOWN is seen."""
@@ -167,9 +208,14 @@ class EngineCoreLoop:
                 # Every request the core ends reaches its stream: the client ignores the ends
                 # of requests it aborted itself, and an abort it did not send ends the stream.
                 ends = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in aborted]
-                self.emit(EngineCoreOutputs(outputs=ends, timestamp=time.monotonic()))
+                self._emit_outputs(
+                    EngineCoreOutputs(
+                        outputs=ends, timestamp=time.monotonic(), load=self.engine_core.load()
+                    )
+                )
         elif request_type is EngineCoreRequestType.UTILITY:
-            self.emit(EngineCoreOutputs(utility_output=self._call_utility(payload)))
+            result = EngineCoreOutputs(utility_output=self._call_utility(payload))
+            self.emit(result, payload.client_index)
         elif request_type is EngineCoreRequestType.EXECUTOR_FAILED:
             reason = self.engine_core.executor.failure_reason or "a worker failed"
             raise ExecutorFailedError(f"the executor reported a failure: {reason}")
@@ -177,13 +223,18 @@ class EngineCoreLoop:
     def _add_request(self, request: EngineCoreRequest) -> None:
         try:
             self.engine_core.add_request(request)
+            if self.num_clients > 1:
+                self._client_of[request.request_id] = request.client_index
         except ValueError as exc:
             # The client validates first, so this is rare: finish the request, keep serving.
             logger.warning("request %r refused: %s", request.request_id, exc)
             refused = EngineCoreOutput(
                 request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc)
             )
-            self.emit(EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic()))
+            self.emit(
+                EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic()),
+                request.client_index,
+            )
 
     # ---- utility calls -------------------------------------------------------------------
 
@@ -203,7 +254,8 @@ class EngineCoreLoop:
         self.engine_core.executor.check_health()
 
     def _utility_statistics(self) -> EngineStats:
-        return self.engine_core.statistics()
+        stats = self.engine_core.statistics()
+        return msgspec.structs.replace(stats, data_parallel_rank=self.rank)
 
     def _utility_reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
@@ -233,14 +285,23 @@ class EngineCoreProc:
         ctx: zmq.Context[zmq.Socket[bytes]],
         addresses: Any,
         step_timeout: float,
+        rank: int = 0,
     ) -> None:
         self.ctx = ctx
-        self.output_queue: queue.Queue[EngineCoreOutputs | object] = queue.Queue()
-        self.loop = EngineCoreLoop(engine_core, self.output_queue.put)
+        self.output_queue: queue.Queue[tuple[int | None, EngineCoreOutputs] | object] = (
+            queue.Queue()
+        )
+        self._output_addresses: list[str] = addresses.output_addresses
+        self.loop = EngineCoreLoop(
+            engine_core,
+            lambda outputs, client: self.output_queue.put((client, outputs)),
+            num_clients=len(self._output_addresses),
+            rank=rank,
+        )
+        self.rank = rank
         self._stop_input = threading.Event()
-        # The input socket is bound here, before READY, so the client can connect to it at once.
+        # The input socket is bound here, before READY, so the clients can connect at once.
         self._input_socket = make_socket(ctx, addresses.input_address, zmq.PULL, bind=True)
-        self._output_address: str = addresses.output_address
         self.input_thread = threading.Thread(
             target=self._process_input_socket, name="EngineCoreInputIO", daemon=True
         )
@@ -263,7 +324,7 @@ class EngineCoreProc:
             raise
         except BaseException as exc:
             logger.exception("engine core failed")
-            self.output_queue.put(EngineCoreOutputs(engine_dead=describe_exception(exc)))
+            self.output_queue.put((None, EngineCoreOutputs(engine_dead=describe_exception(exc))))
             raise
         finally:
             self._stop_input.set()
@@ -291,23 +352,38 @@ class EngineCoreProc:
             sock.close(linger=0)
 
     def _process_output_socket(self) -> None:
-        sock = make_socket(
-            self.ctx, self._output_address, zmq.PUSH, bind=False, linger_ms=_OUTPUT_LINGER_MS
-        )
+        # One socket per client (index = client_index); each output goes to its own client,
+        # heartbeats and ENGINE_CORE_DEAD to all of them.
+        socks = [
+            make_socket(self.ctx, address, zmq.PUSH, bind=False, linger_ms=_OUTPUT_LINGER_MS)
+            for address in self._output_addresses
+        ]
         encoder = MsgpackEncoder()
         buffer = bytearray()  # reused: send() copies small messages out of it
         try:
             while True:
                 try:
-                    outputs = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+                    item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
                 except queue.Empty:
-                    outputs = EngineCoreOutputs(timestamp=time.monotonic())  # a heartbeat
-                if outputs is _SHUTDOWN:
+                    # A heartbeat, with the load (a busy core's load changes between reports).
+                    item = (None, EngineCoreOutputs(timestamp=time.monotonic()))
+                if item is _SHUTDOWN:
                     return
+                client, outputs = cast("tuple[int | None, EngineCoreOutputs]", item)
+                outputs.engine_index = self.rank
+                if outputs.load is None and outputs.utility_output is None:
+                    outputs.load = self.loop.last_load
                 encoder.encode_into(outputs, buffer)
-                sock.send(buffer)
+                if client is None:
+                    for sock in socks:
+                        sock.send(buffer)
+                elif 0 <= client < len(socks):
+                    socks[client].send(buffer)
+                else:
+                    logger.warning("dropped outputs for unknown client %d", client)
         finally:
-            sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out
+            for sock in socks:
+                sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out
 
     def _watch_steps(self) -> None:
         """End the process when a step runs past step_timeout (a hung kernel or collective:
@@ -315,7 +391,7 @@ class EngineCoreProc:
         reason = self.loop.watch_steps(self.step_timeout, self._stop_input)
         if reason is not None:
             logger.error("%s; exiting", reason)
-            self.output_queue.put(EngineCoreOutputs(engine_dead=reason))
+            self.output_queue.put((None, EngineCoreOutputs(engine_dead=reason)))
             self.output_queue.put(_SHUTDOWN)
             self._stop_input.set()
             self.output_thread.join(timeout=2.0)
@@ -358,7 +434,13 @@ def run_engine_core(config: EngineConfig, handshake_address: str) -> None:
             _prepare_process(config)
             addresses = _receive_addresses(handshake)
             engine_core = _build_engine_core(config)
-            proc = EngineCoreProc(engine_core, ctx, addresses, config.step_timeout)
+            proc = EngineCoreProc(
+                engine_core,
+                ctx,
+                addresses,
+                config.step_timeout,
+                rank=config.parallel_config.data_parallel_rank,
+            )
         except Exception as exc:
             reason = describe_exception(exc)
             logger.error("engine core failed to start: %s", reason)

@@ -72,6 +72,22 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                             help="uni: one worker in the engine core; mp: one "
                                                  "process per rank (default: uni for one "
                                                  "worker, mp for more)")),
+    ("--data-parallel-size", dict(dest="data_parallel_size", type=int, metavar="N",
+                                  help="engine cores (ranks), each a full engine with its own "
+                                       "KV cache; requests are routed among them (default: 1)")),
+    ("--data-parallel-backend", dict(dest="data_parallel_backend", choices=("mp", "ray"),
+                                     help="mp: rank processes on this machine; ray: Ray actors "
+                                          "placed on the cluster's nodes (default: mp)")),
+    ("--data-parallel-routing", dict(dest="data_parallel_routing",
+                                     choices=("prefix", "load", "round_robin"),
+                                     help="how a request's rank is chosen: where its prefix is "
+                                          "cached, least loaded, or in turn (default: prefix)")),
+    ("--data-parallel-fail-fast", dict(dest="data_parallel_fail_fast", action="store_const",
+                                       const=True, help="one dead rank stops the whole engine "
+                                                        "(default: the others serve on)")),
+    ("--num-threads", dict(dest="num_threads", type=int, metavar="N",
+                           help="compute threads per worker (default: the machine's cores "
+                                "shared among every worker of every rank on it)")),
     ("--attention-backend", dict(dest="attention_backend",
                                  choices=("auto", "cpu", "torch", "triton"),
                                  help="paged attention implementation (default: auto, Triton "

@@ -17,6 +17,12 @@ class UniProcExecutor(Executor):
 
         # The worker runs in this process: see import_model_code for what `freeze` does.
         import_model_code(config.model_config, freeze=owns_process)
+        parallel = config.parallel_config
+        if owns_process and (parallel.num_threads is not None or parallel.workers_per_machine > 1):
+            import torch
+
+            # Data-parallel ranks on one machine share its cores: more threads only contend.
+            torch.set_num_threads(parallel.threads_per_worker())
 
     def _init_executor(self) -> None:
         c = self.config

@@ -109,9 +109,9 @@ def _start(
     from asyncengine.worker.parallel import create_store, join_group
     from asyncengine.worker.worker import Worker
 
-    # Each rank gets its share of the cores; more threads than cores only contend.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // world_size))
+    # Each worker (of every data-parallel rank here) gets its share of the cores; more
+    # threads than cores only contend.
+    torch.set_num_threads(config.parallel_config.threads_per_worker())
     outbox.send(encoder.encode(WorkerHello(rank, os.getpid())))
     if not inbox.poll(int(_STARTUP_TIMEOUT_S * 1000)):
         raise TimeoutError(f"no InitDistributed from the executor in {_STARTUP_TIMEOUT_S} s")

@@ -33,6 +33,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: CoreSamplingParams  # a SamplingParams, validated by the client
     arrival_time: float
     priority: int = 0
+    # Which of the core's clients sent it (API server processes share the cores): its
+    # outputs go back to that client's output socket.
+    client_index: int = 0
 
 
 # One sampled position's logprobs: token ids (sampled first, then the top-N), their logprobs,
@@ -62,6 +65,7 @@ class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     call_id: int
     method: str
     args: list[Any] = []
+    client_index: int = 0  # where the UtilityResult goes
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -72,17 +76,29 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     error: str | None = None
 
 
+class CoreLoad(msgspec.Struct, array_like=True, gc=False):
+    """A core's load, published with its outputs (the data-parallel router reads it)."""
+
+    num_waiting_reqs: int
+    num_running_reqs: int
+    kv_cache_usage: float  # 0..1
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Every request's new tokens of one step, in one message.
 
     The same message carries a utility call's answer, and ENGINE_CORE_DEAD: `engine_dead`
-    holds the reason when the core is about to exit after a fatal error.
+    holds the reason when the core is about to exit after a fatal error. `engine_index` is
+    the sending core's data-parallel rank; `load` its load after the step (or at a
+    heartbeat), when it has one to report.
     """
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     utility_output: UtilityResult | None = None
     engine_dead: str | None = None
+    engine_index: int = 0
+    load: CoreLoad | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -97,6 +113,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_prefill_tokens: int = 0  # prompt (and recompute) tokens the model has computed
+    # With data parallel: the total above, and here each live rank's own snapshot (by rank).
+    ranks: tuple[EngineStats, ...] = ()
+    data_parallel_rank: int | None = None  # set on a rank's own snapshot
 
     @property
     def num_used_kv_blocks(self) -> int:
@@ -107,6 +126,24 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @classmethod
+    def total(cls, ranks: list[EngineStats]) -> EngineStats:
+        """The sum of the ranks' snapshots (KV usage over all their blocks), with `ranks`."""
+        num_blocks = sum(r.num_kv_blocks for r in ranks)
+        free = sum(r.num_free_kv_blocks for r in ranks)
+        return cls(
+            num_running_reqs=sum(r.num_running_reqs for r in ranks),
+            num_waiting_reqs=sum(r.num_waiting_reqs for r in ranks),
+            num_preemptions=sum(r.num_preemptions for r in ranks),
+            num_kv_blocks=num_blocks,
+            num_free_kv_blocks=free,
+            kv_cache_usage=(num_blocks - free) / num_blocks if num_blocks else 0.0,
+            prefix_cache_queries=sum(r.prefix_cache_queries for r in ranks),
+            prefix_cache_hits=sum(r.prefix_cache_hits for r in ranks),
+            num_prefill_tokens=sum(r.num_prefill_tokens for r in ranks),
+            ranks=tuple(ranks),
+        )
 
 
 # ---- input frames: [request type (one byte), payload] -----------------------------------------
@@ -140,10 +177,11 @@ class HandshakeHello(msgspec.Struct, tag=True, gc=False):
 
 
 class HandshakeAddresses(msgspec.Struct, tag=True, gc=False):
-    """Client → core: where the request (input) and output sockets are bound."""
+    """Client → core: where to bind the request (input) socket, and the output socket of
+    each client (index = client_index; API server processes are several clients)."""
 
     input_address: str
-    output_address: str
+    output_addresses: list[str]
 
 
 class HandshakeReady(msgspec.Struct, tag=True, gc=False):

@@ -14,20 +14,9 @@ so equal hashes mean equal KV contents.
 
 from __future__ import annotations
 
-import struct
-from hashlib import blake2b
-
+from asyncengine.block_hash import hash_block_tokens
 from asyncengine.sched.block_pool import BlockPool, KVCacheBlock
 from asyncengine.sched.request import Request
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained block hash: blake2b-128 over the parent hash and the tokens as int64 LE.
-
-    The first block's parent hash is ``b""``.
-    """
-    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return blake2b(parent_hash + packed, digest_size=16).digest()
 
 
 class KVCacheManager:

@@ -266,7 +266,7 @@ async def test_malformed_frames_on_the_input_socket_do_not_hurt(engine: AsyncLLM
     assert isinstance(client, ProcCoreClient)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
-    sock.connect(client.input_address)
+    sock.connect(client.core.input_address)
     for frames in ([b"\x05", b"junk"], [b"\x00", b"\xc1\xc1"], [b"\x03", b""], [b"x"]):
         sock.send_multipart(frames, zmq.NOBLOCK)
     sock.close(linger=2000)

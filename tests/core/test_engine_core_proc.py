@@ -26,6 +26,7 @@ from asyncengine.core.engine_core_proc import (
     ExecutorFailedError,
 )
 from asyncengine.ipc.messages import (
+    CoreLoad,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -116,6 +117,9 @@ class FakeEngineCore:
     def reset_prefix_cache(self) -> bool:
         return True
 
+    def load(self) -> CoreLoad:
+        return CoreLoad(0, len(self.remaining), len(self.remaining) / 8)
+
 
 def _request(req_id: str, max_tokens: int) -> EngineCoreRequest:
     return EngineCoreRequest(req_id, [1, 2], SamplingParams(max_tokens=max_tokens), 0.0)
@@ -127,7 +131,10 @@ class LoopHarness:
     def __init__(self) -> None:
         self.core = FakeEngineCore()
         self.emitted: list[EngineCoreOutputs] = []
-        self.loop = EngineCoreLoop(self.core, self.emitted.append)  # type: ignore[arg-type]
+        self.loop = EngineCoreLoop(
+            self.core,  # type: ignore[arg-type]
+            lambda outputs, client: self.emitted.append(outputs),
+        )
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -242,8 +249,8 @@ def test_injected_model_runner_failure_raises_from_the_loop(
 class ProcHarness:
     def __init__(self, tmp: Path) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        addresses = HandshakeAddresses(ipc_address(tmp, "input"), ipc_address(tmp, "output"))
-        self.output = make_socket(self.ctx, addresses.output_address, zmq.PULL, bind=True)
+        addresses = HandshakeAddresses(ipc_address(tmp, "input"), [ipc_address(tmp, "output")])
+        self.output = make_socket(self.ctx, addresses.output_addresses[0], zmq.PULL, bind=True)
         self.core = FakeEngineCore()
         self.proc = EngineCoreProc(self.core, self.ctx, addresses, 300.0)  # type: ignore[arg-type]
         self.input = make_socket(self.ctx, addresses.input_address, zmq.PUSH, bind=False)

@@ -108,7 +108,7 @@ def test_handshake_messages_are_tagged() -> None:
     enc = MsgpackEncoder()
     for message in (
         HandshakeHello(pid=42),
-        HandshakeAddresses("ipc:///tmp/x/input", "ipc:///tmp/x/output"),
+        HandshakeAddresses("ipc:///tmp/x/input", ["ipc:///tmp/x/output"]),
         HandshakeReady(num_kv_blocks=10),
         HandshakeFailed(error="ValueError: no weights"),
     ):

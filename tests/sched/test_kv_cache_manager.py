@@ -16,9 +16,10 @@ from hypothesis.stateful import (
 )
 
 import asyncengine.sched.kv_cache_manager as kvm
+from asyncengine.block_hash import hash_block_tokens
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.block_pool import KVCacheBlock
-from asyncengine.sched.kv_cache_manager import KVCacheManager, hash_block_tokens
+from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.request import Request
 
 
