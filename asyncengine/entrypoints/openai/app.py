@@ -3,7 +3,8 @@
 GET  /v1/models, /v1/models/{model}     the served model
 POST /v1/completions                    serving_completion.py
 POST /v1/chat/completions               serving_chat.py
-GET  /health                            200 after a real round trip to the core, else 503
+GET  /health                            200 after a real round trip to the core (its body:
+                                        "ok" or "degraded", with each rank's state), else 503
 GET  /metrics                           Prometheus text (metrics.py)
 GET  /version                           asyncengine's version
 """
@@ -138,12 +139,20 @@ class _Endpoints:
         state = self.state
         state.check_ready()
         try:
-            await state.engine.check_health(timeout=HEALTH_CHECK_TIMEOUT_S)
+            health = await state.engine.check_health(timeout=HEALTH_CHECK_TIMEOUT_S)
         except EngineDeadError as exc:
             raise OpenAIError(503, f"the engine is dead: {exc}") from exc
         except Exception as exc:  # hung (TimeoutError), or closing meanwhile
             raise OpenAIError(503, f"the engine is unhealthy: {exc}") from exc
-        return Response(b"", status_code=200)
+        # 200 while any rank serves; the body says which ranks are dead (data parallel).
+        return _json(
+            {
+                "status": health.status,
+                "ranks": [
+                    {"rank": r.rank, "healthy": r.healthy, "error": r.error} for r in health.ranks
+                ],
+            }
+        )
 
     async def metrics(self, request: Request) -> Response:
         engine = self.state.engine

@@ -102,28 +102,12 @@ class ServerMetrics:
         labels = f'model_name="{_escape(self.model_name)}"'
         lines: list[str] = []
         if stats is not None:
-            engine_metrics: tuple[tuple[str, str, str, float], ...] = (
-                ("num_requests_running", "gauge",
-                 "Requests in the engine's running batch.", stats.num_running_reqs),
-                ("num_requests_waiting", "gauge",
-                 "Requests waiting to be scheduled.", stats.num_waiting_reqs),
-                ("kv_cache_usage_perc", "gauge",
-                 "Fraction of KV cache blocks in use (0 to 1).", stats.kv_cache_usage),
-                ("kv_cache_blocks", "gauge",
-                 "KV cache blocks allocated by the engine.", stats.num_kv_blocks),
-                ("prefix_cache_hit_rate", "gauge",
-                 "Fraction of prompt tokens found in the prefix cache, since start.",
-                 stats.prefix_cache_hit_rate),
-                ("prefix_cache_queries_total", "counter",
-                 "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
-                ("prefix_cache_hits_total", "counter",
-                 "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-                ("num_preemptions_total", "counter",
-                 "Requests preempted to free KV cache blocks.", stats.num_preemptions),
-            )  # fmt: skip
-            for name, kind, help_text, value in engine_metrics:
-                lines += _header(PREFIX + name, help_text, kind)
-                lines.append(f"{PREFIX}{name}{{{labels}}} {value!r}")
+            lines += _engine_lines(stats, labels)
+        lines += self._server_lines(labels)
+        return "\n".join(lines) + "\n"
+
+    def _server_lines(self, labels: str) -> list[str]:
+        lines: list[str] = []
         lines += _header(PREFIX + "prompt_tokens_total", "Prompt tokens accepted.", "counter")
         lines.append(f"{PREFIX}prompt_tokens_total{{{labels}}} {self.prompt_tokens}")
         lines += _header(PREFIX + "generation_tokens_total", "Tokens generated.", "counter")
@@ -134,7 +118,41 @@ class ServerMetrics:
             lines.append(f'{name}{{{labels},finished_reason="{reason}"}} {count}')
         for histogram in (self.ttft, self.itl, self.e2e):
             lines += histogram.render(labels)
-        return "\n".join(lines) + "\n"
+        return lines
+
+
+# The engine's metrics: name, kind, help, and the EngineStats field each reads.
+_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_requests_running", "gauge", "Requests in the engine's running batch.",
+     "num_running_reqs"),
+    ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting_reqs"),
+    ("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
+     "kv_cache_usage"),
+    ("kv_cache_blocks", "gauge", "KV cache blocks allocated by the engine.", "num_kv_blocks"),
+    ("prefix_cache_hit_rate", "gauge",
+     "Fraction of prompt tokens found in the prefix cache, since start.",
+     "prefix_cache_hit_rate"),
+    ("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+     "prefix_cache_hits"),
+    ("num_preemptions_total", "counter", "Requests preempted to free KV cache blocks.",
+     "num_preemptions"),
+)  # fmt: skip
+
+
+def _engine_lines(stats: EngineStats, labels: str) -> list[str]:
+    """The engine's gauges and counters, one series per data-parallel rank (label `engine`;
+    "0" without data parallel). A dead rank has no series."""
+    ranks = stats.ranks or (stats,)
+    lines: list[str] = []
+    for name, kind, help_text, field_name in _ENGINE_METRICS:
+        lines += _header(PREFIX + name, help_text, kind)
+        for rank_stats in ranks:
+            value = getattr(rank_stats, field_name)
+            rank = rank_stats.data_parallel_rank or 0
+            lines.append(f'{PREFIX}{name}{{{labels},engine="{rank}"}} {value!r}')
+    return lines
 
 
 @dataclass(slots=True, eq=False)

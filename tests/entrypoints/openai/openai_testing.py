@@ -91,7 +91,8 @@ _SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? (\S+)$")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text → {"name{labels}": value}, with the model_name label left out.
+    """Prometheus text → {"name{labels}": value}, with the model_name label left out, and
+    rank 0's `engine="0"` (the only rank without data parallel).
 
     Asserts the format: HELP and TYPE before each family, one sample per line.
     """
@@ -107,7 +108,11 @@ def parse_metrics(text: str) -> dict[str, float]:
         assert m is not None, f"bad sample line {line!r}"
         name, labels, value = m.groups()
         assert any(name == t or name.startswith(t + "_") for t in typed), f"untyped {name}"
-        kept = [lb for lb in (labels or "").split(",") if lb and not lb.startswith("model_name=")]
+        kept = [
+            lb
+            for lb in (labels or "").split(",")
+            if lb and not lb.startswith("model_name=") and lb != 'engine="0"'
+        ]
         key = f"{name}{{{','.join(kept)}}}" if kept else name
         samples[key] = float(value)
     return samples
