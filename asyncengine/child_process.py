@@ -48,10 +48,13 @@ def _child_env() -> dict[str, str]:
 class ChildProcess:
     """`python -m module` in a new interpreter, started with `payload` on its stdin."""
 
-    def __init__(self, module: str, payload: bytes, *, name: str) -> None:
+    def __init__(
+        self, module: str, payload: bytes, *, name: str, pass_fds: tuple[int, ...] = ()
+    ) -> None:
         self.module = module
         self.name = name
         self._payload = payload
+        self._pass_fds = pass_fds  # more descriptors the child inherits (a listening socket)
         self._popen: subprocess.Popen[bytes] | None = None
         self.sentinel = -1  # the exit pipe's read end, once started
 
@@ -65,7 +68,7 @@ class ChildProcess:
             self._popen = subprocess.Popen(
                 [sys.executable, "-m", self.module],
                 stdin=subprocess.PIPE,
-                pass_fds=(exit_w,),
+                pass_fds=(exit_w, *self._pass_fds),
                 env=env,
             )
         except BaseException:

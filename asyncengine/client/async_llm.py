@@ -92,8 +92,15 @@ class AsyncLLM:
     """
 
     def __init__(
-        self, config: EngineConfig, *, core: str = "process", startup_timeout: float = 300.0
+        self,
+        config: EngineConfig,
+        *,
+        core: str = "process",
+        startup_timeout: float = 300.0,
+        core_client: EngineCoreClient | None = None,
     ) -> None:
+        """`core_client`: the client's end of cores started elsewhere (an API server process
+        of `serve --api-server-count`); otherwise the engine starts its own."""
         if core not in CORE_KINDS:
             raise ValueError(f"core={core!r} is invalid: must be one of {', '.join(CORE_KINDS)}")
         if not startup_timeout > 0:
@@ -112,6 +119,7 @@ class AsyncLLM:
         self._input_processor: InputProcessor | None = None
         self._output_processor: OutputProcessor | None = None
         self._core_client: EngineCoreClient | None = None
+        self._given_core_client = core_client
         self._task_group: anyio.abc.TaskGroup | None = None
         self._dead_event: anyio.Event | None = None  # set when the core is found dead
 
@@ -169,6 +177,8 @@ class AsyncLLM:
         return self
 
     def _make_core_client(self) -> EngineCoreClient:
+        if self._given_core_client is not None:
+            return self._given_core_client
         if self._core_kind == "thread":
             return ThreadCoreClient(self._config)
         parallel = self._config.parallel_config

@@ -56,8 +56,10 @@ class CoreProcess:
         *,
         name: str = "engine core",
         startup_timeout: float,
+        ignore_sigint: bool = False,
     ) -> None:
         self.config = config
+        self.ignore_sigint = ignore_sigint
         self.name = name
         self.startup_timeout = startup_timeout
         rank = config.parallel_config.data_parallel_rank
@@ -78,7 +80,7 @@ class CoreProcess:
         if self.proc is not None:
             return
         self._deadline = time.monotonic() + self.startup_timeout
-        launch = EngineCoreLaunch(self.config, self._handshake_address)
+        launch = EngineCoreLaunch(self.config, self._handshake_address, self.ignore_sigint)
         proc = ChildProcess(
             "asyncengine.core.engine_core_proc",
             self._encoder.encode(launch),
@@ -206,3 +208,63 @@ def exit_desc(proc: ChildProcess) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+class RunningCore:
+    """An engine core that another process started and owns (the API server manager), as
+    its clients see it: where to send requests, its pid to watch; it is never stopped here."""
+
+    def __init__(self, name: str, input_address: str, pid: int, num_kv_blocks: int) -> None:
+        self.name = name
+        self.input_address = input_address
+        self.pid: int | None = pid
+        self.num_kv_blocks = num_kv_blocks
+
+    async def launch(self) -> None:
+        return None
+
+    async def wait_ready(self, output_addresses: list[str]) -> None:
+        return None  # its owner saw it ready, with this client's output address among its own
+
+    async def wait_exit(self, poll: float = 0.5) -> bool:
+        """Poll the pid (not our child: no sentinel); a zombie awaits its owner's reaping."""
+        import psutil
+
+        with anyio.move_on_after(poll):
+            while True:
+                try:
+                    if psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE:
+                        return True
+                except psutil.NoSuchProcess:
+                    return True
+                await anyio.sleep(0.1)
+        return False
+
+    def exit_desc(self) -> str:
+        return "exited"
+
+    async def stop(self, kill: bool = False) -> None:
+        return None  # its owner stops it
+
+
+async def start_cores(cores: list[CoreProcess], output_addresses: list[str]) -> None:
+    """Start every core at once and wait until all serve; the first that fails raises its
+    EngineStartupError (naming it, with the root cause) and the others are cancelled
+    (the caller stops them)."""
+    failures: list[BaseException] = []
+
+    async def start_one(core: CoreProcess, scope: anyio.CancelScope) -> None:
+        try:
+            await core.wait_ready(output_addresses)
+        except Exception as exc:
+            failures.append(exc)
+            scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for core in cores:
+            tg.start_soon(start_one, core, tg.cancel_scope)
+    if failures:
+        error = failures[0]
+        if isinstance(error, EngineStartupError):
+            raise error
+        raise EngineStartupError(f"engine core start-up failed: {error}") from error

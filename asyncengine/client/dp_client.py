@@ -30,10 +30,9 @@ from asyncengine.client.core_client import (
     decode_outputs,
     recv_frames,
 )
-from asyncengine.client.core_process import CoreProcess
+from asyncengine.client.core_process import CoreProcess, RunningCore, start_cores
 from asyncengine.client.dp_router import Router
 from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineStartupError
 from asyncengine.ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -66,26 +65,47 @@ class _PendingCall:
 
 
 class DPCoreClient(EngineCoreClient):
-    """`data_parallel_size` engine-core processes behind one client (mp backend)."""
+    """`data_parallel_size` engine-core processes behind one client (mp backend).
 
-    def __init__(self, config: EngineConfig, startup_timeout: float) -> None:
+    By default it starts the cores itself. With `attach`, it is one of several clients of
+    cores that another process started and owns (API server processes: each is client
+    `client_index`, and its outputs come to `output_address`, which it binds).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout: float,
+        *,
+        attach: list[RunningCore] | None = None,
+        output_address: str | None = None,
+        client_index: int = 0,
+    ) -> None:
         parallel = config.parallel_config
         self.config = config
         self.size = parallel.data_parallel_size
         self.fail_fast = parallel.data_parallel_fail_fast
+        self.client_index = client_index
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket_dir = make_private_socket_dir()
-        self.cores = [
-            CoreProcess(
-                self._ctx,
-                config.for_rank(rank),
-                self._socket_dir,
-                name=f"engine core rank {rank}",
-                startup_timeout=startup_timeout,
-            )
-            for rank in range(self.size)
-        ]
-        self._output_address = ipc_address(self._socket_dir, "output")
+        self.cores: list[CoreProcess] | list[RunningCore]
+        if attach is not None:
+            if len(attach) != self.size or output_address is None:
+                raise ValueError("attach needs one RunningCore per rank and an output address")
+            self.cores = attach
+            self._output_address = output_address
+        else:
+            self.cores = [
+                CoreProcess(
+                    self._ctx,
+                    config.for_rank(rank),
+                    self._socket_dir,
+                    name=f"engine core rank {rank}",
+                    startup_timeout=startup_timeout,
+                )
+                for rank in range(self.size)
+            ]
+            self._output_address = ipc_address(self._socket_dir, "output")
         self._output: zmq.Socket[bytes] | None = None
         self._inputs: list[zmq.Socket[bytes] | None] = [None] * self.size
         # Deaths this client finds itself (an exit, silence) join the cores' own messages.
@@ -138,25 +158,10 @@ class DPCoreClient(EngineCoreClient):
     async def start(self) -> None:
         """Every rank starts at once; the first that fails stops them all (its rank and
         root cause in the EngineStartupError)."""
-        failures: list[BaseException] = []
-
-        async def start_rank(core: CoreProcess, scope: anyio.CancelScope) -> None:
-            try:
-                await core.wait_ready([self._output_address])
-            except Exception as exc:
-                failures.append(exc)
-                scope.cancel()
-
         try:
             await self._launch()
-            async with anyio.create_task_group() as tg:
-                for core in self.cores:
-                    tg.start_soon(start_rank, core, tg.cancel_scope)
-            if failures:
-                error = failures[0]
-                if isinstance(error, EngineStartupError):
-                    raise error
-                raise EngineStartupError(f"data-parallel start-up failed: {error}") from error
+            if not isinstance(self.cores[0], RunningCore):  # else: started by their owner
+                await start_cores(self.cores, [self._output_address])
             self.num_kv_blocks = sum(core.num_kv_blocks for core in self.cores)
             self._inputs = [
                 make_socket(self._ctx, core.input_address, zmq.PUSH, bind=False)
@@ -188,6 +193,7 @@ class DPCoreClient(EngineCoreClient):
             rank = self.router.route(request.prompt_token_ids)
         self._last_base = (base, rank)
         self._rank_of[request.request_id] = rank
+        request.client_index = self.client_index
         self.router.sent(rank)
         self._send(rank, EngineCoreRequestType.ADD, request)
 
@@ -202,6 +208,7 @@ class DPCoreClient(EngineCoreClient):
 
     def call_utility_nowait(self, call: UtilityCall) -> None:
         live = set(self.router.live)
+        call.client_index = self.client_index
         self._calls[call.call_id] = _PendingCall(call.method, live)
         for rank in live:
             self._send(rank, EngineCoreRequestType.UTILITY, call)

@@ -409,17 +409,19 @@ def main() -> None:
     """`python -m asyncengine.core.engine_core_proc`: the launch arguments from stdin, then
     the engine core until it is told to stop."""
     launch = launch_decoder.decode(read_payload())
-    run_engine_core(launch.config, launch.handshake_address)
+    run_engine_core(launch.config, launch.handshake_address, ignore_sigint=launch.ignore_sigint)
 
 
-def run_engine_core(config: EngineConfig, handshake_address: str) -> None:
+def run_engine_core(
+    config: EngineConfig, handshake_address: str, *, ignore_sigint: bool = False
+) -> None:
     """The engine-core process's body (never returns: it exits).
 
     1. signals and the parent watch, 2. HELLO, 3. import the model code, 4. the client's
     addresses (with a timeout), 5. build the EngineCore (READY, or FAILED with the root cause),
     6. serve until told to stop. Exits 0 on a clean shutdown, non-zero after a failure.
     """
-    install_signal_handlers()
+    install_signal_handlers(ignore_sigint=ignore_sigint)
     _start_parent_watch()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     handshake = make_socket(ctx, handshake_address, zmq.DEALER, bind=False, linger_ms=2000)

@@ -9,6 +9,7 @@ instant: each command imports the engine when it runs.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -180,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, seconds to let requests in flight finish before "
                             "aborting them (default: 30)")  # fmt: skip
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="K",
+        help="HTTP front-end processes accepting on the one host:port, each a "
+        "client of every engine core (default: 1)",
+    )
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="uvicorn's log level (default: info)")  # fmt: skip
@@ -306,6 +315,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "list; set ASYNCENGINE_API_KEY instead",
             file=sys.stderr,
         )
+    if args.api_server_count != 1:
+        return _serve_api_servers(args, model)
     app = build_app(
         model,
         served_model_name=args.served_model_name or Path(args.model).name or args.model,
@@ -324,6 +335,38 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return 0
+
+
+def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
+    """`serve --api-server-count K`: K API server processes over the engine cores, under a
+    manager process (this one)."""
+    from pathlib import Path
+
+    from asyncengine.config import EngineConfig
+    from asyncengine.entrypoints.api_server_manager import APIServerProcessManager
+    from asyncengine.entrypoints.openai.api_server_proc import ServerOptions
+
+    if args.api_server_count < 1:
+        print(
+            f"asyncengine serve: --api-server-count {args.api_server_count}: must be >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    config = EngineConfig.from_kwargs(model, **engine_kwargs_from_args(args))
+    options = ServerOptions(
+        served_model_name=args.served_model_name or Path(args.model).name or args.model,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        host=args.host,
+        port=args.port,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    manager = APIServerProcessManager(config, options, api_server_count=args.api_server_count)
+    return manager.run()
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -168,6 +168,9 @@ class EngineCoreLaunch(msgspec.Struct, gc=False):
 
     config: EngineConfig
     handshake_address: str
+    # Under the API server manager, which stops the cores itself after its API servers have
+    # drained: a terminal's Ctrl-C (SIGINT to the whole group) must not stop them first.
+    ignore_sigint: bool = False
 
 
 class HandshakeHello(msgspec.Struct, tag=True, gc=False):

@@ -89,7 +89,7 @@ async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
                 pass
     assert_gone(child_pids() - before)
     # Neither the client's socket directory nor the killed core's executor's is left.
-    assert _socket_dirs() <= dirs_before
+    assert not _socket_dirs() - dirs_before, _socket_dirs() - dirs_before
 
 
 async def test_two_tp_engines_side_by_side(tiny_llama: Path) -> None:
@@ -157,4 +157,4 @@ def test_ctrl_c_of_a_tp_app_leaves_no_process_or_socket_dir(
         assert proc.stdout is not None
         proc.stdout.close()
     assert_gone(set(tree), timeout=10.0)
-    assert _socket_dirs() <= dirs_before
+    assert not _socket_dirs() - dirs_before, _socket_dirs() - dirs_before

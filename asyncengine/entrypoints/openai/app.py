@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -52,6 +53,8 @@ def build_app(
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     allowed_hosts: Sequence[str] | None = None,
+    metrics_dir: str | None = None,
+    api_server_index: int = 0,
     **engine_options: Any,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine`: an AsyncLLM, or a model folder to build one
@@ -63,6 +66,8 @@ def build_app(
     `api_key`, when set, is required as `Authorization: Bearer KEY` on every path but /health.
     `allowed_hosts`, when given, are the only `Host` headers answered (400 otherwise): against
     DNS rebinding, a web page that reaches a local server under a name of its own.
+    `metrics_dir` and `api_server_index`: set by `serve --api-server-count`, whose API server
+    processes share their metrics there (each scrape reports the sum).
     """
     if not isinstance(engine, AsyncLLM):
         engine = AsyncLLM.from_pretrained(engine, **engine_options)
@@ -74,6 +79,8 @@ def build_app(
         engine,
         served_model_name or Path(engine.config.model_config.model).name,
         max_request_body_bytes=max_request_body_bytes,
+        metrics_dir=metrics_dir,
+        api_server_index=api_server_index,
     )
     endpoints = _Endpoints(state)
     routes = [
@@ -91,11 +98,15 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if engine.is_running:
-            yield
-            return
-        async with engine:
-            yield
+        async with anyio.create_task_group() as tg:
+            if metrics_dir is not None:
+                tg.start_soon(_share_metrics, state)
+            if engine.is_running:
+                yield
+            else:
+                async with engine:
+                    yield
+            tg.cancel_scope.cancel()
 
     app = Starlette(
         routes=routes,
@@ -105,6 +116,13 @@ def build_app(
     )
     app.state.openai = state
     return app
+
+
+async def _share_metrics(state: ServerState) -> None:
+    """Keep this API server process's counts fresh for the others' scrapes."""
+    while True:
+        await anyio.to_thread.run_sync(state.metrics.write_snapshot)
+        await anyio.sleep(0.5)
 
 
 def server_state(app: Starlette) -> ServerState:
@@ -162,7 +180,12 @@ class _Endpoints:
                 stats = await engine.statistics(timeout=HEALTH_CHECK_TIMEOUT_S)
             except Exception:  # dead or hung: report the server's own metrics only
                 stats = None
-        return Response(self.state.metrics.render(stats), media_type=CONTENT_TYPE)
+        metrics = self.state.metrics
+        if metrics.shared_dir is None:
+            text = metrics.render(stats)
+        else:  # reads the other API server processes' files: off the event loop
+            text = await anyio.to_thread.run_sync(metrics.render, stats)
+        return Response(text, media_type=CONTENT_TYPE)
 
     async def version(self, request: Request) -> Response:
         return _json({"version": __version__})

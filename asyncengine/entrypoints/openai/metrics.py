@@ -8,13 +8,21 @@ Two sources:
 - the server's own view of every stream, updated as outputs arrive (`RequestTracker`): prompt
   and generation token counters, finished choices by reason, and the latency histograms, timed
   from the moment the server accepted the request to the moment each output reached it.
+
+With several API server processes (`serve --api-server-count K`), each writes its own counts
+to a file in a shared directory (every half second, and at each scrape), and a scrape of any
+of them reports the sum over all, plus each process's request count (`api_server` label).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from asyncengine.ipc.messages import EngineStats
 from asyncengine.outputs import RequestOutput
@@ -50,6 +58,16 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
 
+    def add(self, other: dict[str, Any]) -> None:
+        """Add another process's counts of this histogram (from `snapshot()`)."""
+        for i, n in enumerate(other["counts"]):
+            self.counts[i] += n
+        self.sum += other["sum"]
+        self.count += other["count"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"counts": self.counts, "sum": self.sum, "count": self.count}
+
     def observe(self, value: float, times: int = 1) -> None:
         """Record `value` `times` times (a merged output carries several token gaps)."""
         self.counts[bisect.bisect_left(self.buckets, value)] += times
@@ -70,8 +88,13 @@ class Histogram:
 class ServerMetrics:
     """Counters and histograms of one server; updated on the event loop's thread only."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(
+        self, model_name: str, *, shared_dir: str | None = None, process_index: int = 0
+    ) -> None:
         self.model_name = model_name
+        self.shared_dir = shared_dir  # several API server processes share their counts here
+        self.process_index = process_index
+        self.num_requests = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
@@ -94,7 +117,51 @@ class ServerMetrics:
     def track(self, num_prompt_tokens: int, num_sequences: int, arrival: float) -> RequestTracker:
         """Start tracking one engine request (one prompt, `num_sequences` choices)."""
         self.prompt_tokens += num_prompt_tokens
+        self.num_requests += 1
         return RequestTracker(self, arrival, num_sequences)
+
+    def snapshot(self) -> dict[str, Any]:
+        """This process's counts, for the other API server processes."""
+        return {
+            "index": self.process_index,
+            "num_requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "finished": self.finished,
+            "histograms": [h.snapshot() for h in (self.ttft, self.itl, self.e2e)],
+        }
+
+    def write_snapshot(self) -> None:
+        """Share this process's counts (atomically: a reader never sees half a file)."""
+        if self.shared_dir is None:
+            return
+        path = Path(self.shared_dir) / f"api-server-{self.process_index}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.snapshot()))
+        os.replace(tmp, path)
+
+    def _merged(self) -> tuple[ServerMetrics, dict[int, int]]:
+        """Every API server process's counts summed (this one's fresh), and each one's
+        request count by index."""
+        self.write_snapshot()
+        assert self.shared_dir is not None
+        total = ServerMetrics(self.model_name)
+        per_process: dict[int, int] = {}
+        for path in sorted(Path(self.shared_dir).glob("api-server-*.json")):
+            try:
+                snap = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # being replaced: the next scrape reads it
+            per_process[int(snap["index"])] = int(snap["num_requests"])
+            total.prompt_tokens += snap["prompt_tokens"]
+            total.generation_tokens += snap["generation_tokens"]
+            for reason, count in snap["finished"].items():
+                total.finished[reason] = total.finished.get(reason, 0) + count
+            for histogram, other in zip(
+                (total.ttft, total.itl, total.e2e), snap["histograms"], strict=True
+            ):
+                histogram.add(other)
+        return total, per_process
 
     def render(self, stats: EngineStats | None) -> str:
         """The exposition text; the engine's gauges are left out when `stats` is None (the
@@ -103,7 +170,15 @@ class ServerMetrics:
         lines: list[str] = []
         if stats is not None:
             lines += _engine_lines(stats, labels)
-        lines += self._server_lines(labels)
+        if self.shared_dir is None:
+            lines += self._server_lines(labels)
+        else:
+            total, per_process = self._merged()
+            lines += total._server_lines(labels)
+            name = PREFIX + "api_server_requests_total"
+            lines += _header(name, "Requests accepted by each API server process.", "counter")
+            for index, count in sorted(per_process.items()):
+                lines.append(f'{name}{{{labels},api_server="{index}"}} {count}')
         return "\n".join(lines) + "\n"
 
     def _server_lines(self, labels: str) -> list[str]:

@@ -39,18 +39,30 @@ _ABORT_GRACE_S = 2
 class Server(uvicorn.Server):
     """uvicorn's server, with the engine-aware shutdown described above."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        drain_timeout: float,
+        *,
+        handle_sigint: bool = True,
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
+        # An API server process of `serve --api-server-count` leaves Ctrl-C to its manager,
+        # which sends it SIGTERM (a terminal's SIGINT reaches the whole process group).
+        self.handle_sigint = handle_sigint
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach only the main thread; a server in a thread is stopped by
             return  # setting should_exit
-        handled = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self.handle_exit)}
+        previous[signal.SIGINT] = signal.signal(
+            signal.SIGINT, self.handle_exit if self.handle_sigint else signal.SIG_IGN
+        )
         try:
             yield
         finally:
@@ -86,6 +98,7 @@ def make_server(
     log_level: str = "info",
     access_log: bool = True,
     log_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG,
+    handle_sigint: bool = True,
 ) -> Server:
     """A uvicorn server for an app made by `build_app`; `run()` it, or `serve()` it from a
     running asyncio loop. Port 0 picks a free port (uvicorn logs the one it got)."""
@@ -102,4 +115,4 @@ def make_server(
         log_config=log_config,
         timeout_graceful_shutdown=int(drain_timeout) + 1 + _ABORT_GRACE_S,
     )
-    return Server(config, server_state(app), drain_timeout)
+    return Server(config, server_state(app), drain_timeout, handle_sigint=handle_sigint)

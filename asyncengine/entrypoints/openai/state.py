@@ -22,9 +22,14 @@ class ServerState:
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False  # shutting down: new requests get 503
     created: float = field(default_factory=time.time)
+    # With several API server processes: where they share their metrics, and this one's index.
+    metrics_dir: str | None = None
+    api_server_index: int = 0
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(
+            self.model_name, shared_dir=self.metrics_dir, process_index=self.api_server_index
+        )
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is the served model (or left out)."""

@@ -1,0 +1,223 @@
+"""APIServerProcessManager: `asyncengine serve --api-server-count K`.
+
+The parent process of K API server processes and N engine cores (data-parallel ranks):
+
+1. bind the listening socket (host:port) once, so the port is known good before anything
+   loads, and every API server accepts on the same socket (the kernel spreads connections);
+2. start the N cores, each with K output addresses (one per API server: every output goes
+   back to the API server that sent its request);
+3. start the K API servers (`entrypoints/openai/api_server_proc.py`), each an AsyncLLM
+   client of all N cores, handing each the listening socket;
+4. watch: an API server that dies stops the whole group, and the manager exits non-zero; so
+   does the death of every core (a single dead rank is served around by the API servers);
+5. on SIGTERM / SIGINT: SIGTERM to every API server (each drains, up to its shutdown
+   timeout), then stop the cores; exit 0.
+
+The manager's own death stops everything too: its children watch their stdin.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+
+from asyncengine.child_process import ChildProcess
+from asyncengine.client.core_process import (
+    CoreProcess,
+    exit_desc,
+    start_cores,
+    stop_process_tree,
+)
+from asyncengine.config import EngineConfig
+from asyncengine.entrypoints.openai.api_server_proc import (
+    APIServerLaunch,
+    CoreEndpoint,
+    ServerOptions,
+)
+from asyncengine.ipc.sockets import (
+    ipc_address,
+    make_private_socket_dir,
+    remove_socket_dir,
+    sweep_stale_socket_dirs,
+)
+
+logger = logging.getLogger(__name__)
+
+_LISTEN_BACKLOG = 2048
+_STOP_GRACE_S = 5.0  # past its drain, how long an API server is given before it is killed
+
+
+class APIServerProcessManager:
+    """Starts, watches and stops the API server processes and the engine cores they share."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        options: ServerOptions,
+        *,
+        api_server_count: int,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(api_server_count, int) or api_server_count < 1:
+            raise ValueError(f"api_server_count={api_server_count!r}: must be an integer >= 1")
+        self.config = config
+        self.options = options
+        self.count = api_server_count
+        self.startup_timeout = startup_timeout
+        self.cores: list[CoreProcess] = []
+        self.servers: list[ChildProcess] = []
+        self._stopping = False
+
+    def run(self) -> int:
+        """Serve until a signal (exit status 0) or a death in the group (non-zero)."""
+        return anyio.run(self._run)
+
+    async def _run(self) -> int:
+        listener = _listen(self.options.host, self.options.port)
+        socket_dir = make_private_socket_dir()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            return await self._serve(listener, socket_dir, ctx)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_all()
+            listener.close()
+            ctx.term()
+            remove_socket_dir(socket_dir)
+            sweep_stale_socket_dirs()
+
+    async def _serve(
+        self, listener: socket.socket, socket_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+    ) -> int:
+        size = self.config.parallel_config.data_parallel_size
+        outputs = [ipc_address(socket_dir, f"api-output-{i}") for i in range(self.count)]
+        self.cores = [
+            CoreProcess(
+                ctx,
+                self.config.for_rank(rank),
+                socket_dir,
+                name=f"engine core rank {rank}" if size > 1 else "engine core",
+                startup_timeout=self.startup_timeout,
+                ignore_sigint=True,
+            )
+            for rank in range(size)
+        ]
+        for core in self.cores:
+            await core.launch()
+        await start_cores(self.cores, outputs)
+        endpoints = []
+        for core in self.cores:
+            assert core.pid is not None
+            endpoints.append(CoreEndpoint(core.input_address, core.pid, core.num_kv_blocks))
+        metrics_dir = tempfile.mkdtemp(prefix="metrics-", dir=socket_dir)
+        for index in range(self.count):
+            launch = APIServerLaunch(
+                self.config,
+                index,
+                outputs[index],
+                endpoints,
+                listener.fileno(),
+                metrics_dir,
+                self.options,
+            )
+            server = ChildProcess(
+                "asyncengine.entrypoints.openai.api_server_proc",
+                msgspec.msgpack.encode(launch),
+                name=f"APIServer-{index}",
+                pass_fds=(listener.fileno(),),
+            )
+            await anyio.to_thread.run_sync(server.start)
+            self.servers.append(server)
+        logger.warning(
+            "serving on %s:%d with %d API server processes and %d engine core(s)",
+            self.options.host,
+            listener.getsockname()[1],
+            self.count,
+            size,
+        )
+        return await self._watch()
+
+    async def _watch(self) -> int:
+        """Until a signal (0) or a death that ends the group (1)."""
+        status = 0
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        logger.info("%s: draining the API servers", signal.Signals(signum).name)
+                        tg.cancel_scope.cancel()
+                        return
+
+            async def on_server_death(index: int, server: ChildProcess) -> None:
+                nonlocal status
+                await anyio.wait_readable(server.sentinel)
+                await anyio.to_thread.run_sync(server.join, 1.0)
+                logger.error(
+                    "API server %d (pid %s) died (%s): stopping every process",
+                    index,
+                    server.pid,
+                    exit_desc(server),
+                )
+                status = 1
+                tg.cancel_scope.cancel()
+
+            async def on_cores_death() -> None:
+                nonlocal status
+                for core in self.cores:
+                    while not await core.wait_exit():
+                        pass
+                logger.error("every engine core died: stopping every process")
+                status = 1
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signal)
+            tg.start_soon(on_cores_death)
+            for index, server in enumerate(self.servers):
+                tg.start_soon(on_server_death, index, server)
+        return status
+
+    async def _stop_all(self) -> None:
+        """SIGTERM every API server (each drains), wait for them, then stop the cores."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for server in self.servers:
+            server.terminate()
+        timeout = self.options.shutdown_timeout + _STOP_GRACE_S
+        async with anyio.create_task_group() as tg:
+            for server in self.servers:
+                tg.start_soon(_join_or_kill, server, timeout)
+        async with anyio.create_task_group() as tg:
+            for core in self.cores:
+                tg.start_soon(core.stop)
+
+
+async def _join_or_kill(proc: ChildProcess, grace_s: float) -> None:
+    """Wait `grace_s` for `proc` to exit by itself, then stop it (and what it started)."""
+    await anyio.to_thread.run_sync(proc.join, grace_s)
+    if proc.is_alive():
+        logger.warning("%s did not stop within %.0f s: killing it", proc.name, grace_s)
+    await anyio.to_thread.run_sync(stop_process_tree, proc, False)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on (inherited by each)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(_LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
