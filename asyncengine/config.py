@@ -21,6 +21,7 @@ _EXECUTOR_BACKENDS = ("uni", "mp")
 _ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _DP_BACKENDS = ("mp", "ray")
 _DP_ROUTINGS = ("prefix", "load", "round_robin")
+_DP_PLACEMENTS = ("spread", "pack")
 _CPU_DEFAULT_KV_BYTES = 256 * 1024**2
 # The default token budget of a step, for serving (AsyncLLM). On CPUs a 2,048-token prefill
 # step of a 135M model takes ~0.5 s, and every request admitted in it waits that long for its
@@ -91,6 +92,9 @@ class ParallelConfig:
     data_parallel_backend: str = "mp"  # mp: processes here | ray: Ray actors, any node
     data_parallel_routing: str = "prefix"  # prefix | load | round_robin (client/dp_router.py)
     data_parallel_fail_fast: bool = False  # one dead rank kills the engine
+    # ray: the placement group's strategy, a rank per node where it can ("spread"), or as
+    # few nodes as the ranks fit on ("pack").
+    data_parallel_placement: str = "spread"
     # Compute threads of each worker (None: this machine's cores shared among every worker
     # of every rank on it, at least one each).
     num_threads: int | None = None
@@ -147,6 +151,7 @@ class EngineConfig:
         data_parallel_backend: str = "mp",
         data_parallel_routing: str = "prefix",
         data_parallel_fail_fast: bool = False,
+        data_parallel_placement: str = "spread",
         num_threads: int | None = None,
     ) -> EngineConfig:
         """Validate the keywords and read the model's config; raises ValueError naming the field."""
@@ -207,6 +212,7 @@ class EngineConfig:
         _check_int("data_parallel_size", data_parallel_size, 1)
         _check_choice("data_parallel_backend", data_parallel_backend, _DP_BACKENDS)
         _check_choice("data_parallel_routing", data_parallel_routing, _DP_ROUTINGS)
+        _check_choice("data_parallel_placement", data_parallel_placement, _DP_PLACEMENTS)
         if not isinstance(data_parallel_fail_fast, bool):
             raise ValueError(
                 f"data_parallel_fail_fast={data_parallel_fail_fast!r}: must be True or False"
@@ -269,6 +275,7 @@ class EngineConfig:
                 data_parallel_backend=data_parallel_backend,
                 data_parallel_routing=data_parallel_routing,
                 data_parallel_fail_fast=data_parallel_fail_fast,
+                data_parallel_placement=data_parallel_placement,
                 num_threads=num_threads,
             ),
             step_timeout=float(step_timeout),

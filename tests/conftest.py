@@ -13,6 +13,9 @@ from asyncengine.testing import build_tiny_model
 
 # Two cores: one torch thread per test process keeps timings of tiny models sane.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Ray reads it when first imported: with it, a test's Ray cluster binds 127.0.0.1 only (by
+# default Ray binds the machine's interface address).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 @pytest.fixture(params=["asyncio", "trio"])

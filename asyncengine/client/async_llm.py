@@ -184,8 +184,6 @@ class AsyncLLM:
         parallel = self._config.parallel_config
         if parallel.data_parallel_size == 1 and parallel.data_parallel_backend == "mp":
             return ProcCoreClient(self._config, self._startup_timeout)
-        if parallel.data_parallel_backend == "ray":
-            raise ValueError("data_parallel_backend='ray' is not available yet: use 'mp'")
         from asyncengine.client.dp_client import DPCoreClient
 
         return DPCoreClient(self._config, self._startup_timeout)

@@ -57,15 +57,21 @@ class CoreProcess:
         name: str = "engine core",
         startup_timeout: float,
         ignore_sigint: bool = False,
+        tcp_host: str | None = None,
     ) -> None:
         self.config = config
         self.ignore_sigint = ignore_sigint
         self.name = name
         self.startup_timeout = startup_timeout
         rank = config.parallel_config.data_parallel_rank
-        self._handshake_address = ipc_address(socket_dir, f"handshake-{rank}")
-        self.input_address = ipc_address(socket_dir, f"input-{rank}")
-        self._handshake = make_socket(ctx, self._handshake_address, zmq.ROUTER, bind=True)
+        if tcp_host is None:
+            self.input_address = ipc_address(socket_dir, f"input-{rank}")
+            handshake_address = ipc_address(socket_dir, f"handshake-{rank}")
+        else:  # a core on another machine: a free port of this host's, and of the core's
+            self.input_address = "tcp://127.0.0.1:*"  # set to the core's node by its launcher
+            handshake_address = f"tcp://{tcp_host}:*"
+        self._handshake = make_socket(ctx, handshake_address, zmq.ROUTER, bind=True)
+        self._handshake_address = self._handshake.getsockopt_string(zmq.LAST_ENDPOINT)
         self._encoder = MsgpackEncoder()
         self._deadline = 0.0
         self.proc: ChildProcess | None = None
@@ -103,11 +109,11 @@ class CoreProcess:
         if not isinstance(message, HandshakeReady):
             raise EngineStartupError(f"{self.name} sent {type(message).__name__}, not READY")
         self.num_kv_blocks = message.num_kv_blocks
+        self.input_address = message.input_address or self.input_address
         self._handshake.close(linger=0)
 
     async def _recv_handshake(self) -> tuple[bytes, HandshakeMessage]:
-        sock, proc, deadline = self._handshake, self.proc, self._deadline
-        assert proc is not None
+        sock, deadline = self._handshake, self._deadline
         died_at: float | None = None
         while True:
             try:
@@ -122,12 +128,12 @@ class CoreProcess:
             if readable(sock):
                 continue
             now = time.monotonic()
-            if not proc.is_alive():
+            if not self._alive():
                 # A FAILED message sent just before the exit may still be in flight.
                 died_at = died_at or now
                 if now - died_at > 0.5:
                     raise EngineStartupError(
-                        f"{self.name} process exited during start-up ({exit_desc(proc)}); "
+                        f"{self.name} process exited during start-up ({self.exit_desc()}); "
                         "see its log above for the cause"
                     )
             if now > deadline:
@@ -136,6 +142,9 @@ class CoreProcess:
                 )
             with anyio.move_on_after(min(0.1, deadline - now)):
                 await anyio.wait_readable(socket_fd(sock))
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
 
     async def wait_exit(self, poll: float = 0.5) -> bool:
         """Wait up to `poll` seconds for the process to exit; True once it has."""

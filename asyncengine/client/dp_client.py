@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -49,6 +49,9 @@ from asyncengine.ipc.sockets import (
     remove_socket_dir,
     sweep_stale_socket_dirs,
 )
+
+if TYPE_CHECKING:
+    from asyncengine.client.ray_cores import RayCluster
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +92,19 @@ class DPCoreClient(EngineCoreClient):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket_dir = make_private_socket_dir()
         self.cores: list[CoreProcess] | list[RunningCore]
+        self._startup_timeout = startup_timeout
+        self._ray: RayCluster | None = None
         if attach is not None:
             if len(attach) != self.size or output_address is None:
                 raise ValueError("attach needs one RunningCore per rank and an output address")
             self.cores = attach
             self._output_address = output_address
+        elif parallel.data_parallel_backend == "ray":
+            from asyncengine.client.ray_cores import RayCluster
+
+            self._ray = RayCluster(config)
+            self.cores = []  # RayCores, once the cluster is connected (_launch)
+            self._output_address = ""
         else:
             self.cores = [
                 CoreProcess(
@@ -149,11 +160,33 @@ class DPCoreClient(EngineCoreClient):
             raise
 
     async def _launch(self) -> None:
+        if self._ray is not None and not self.cores:
+            await self._connect_ray(self._ray)
         if self._output is None:
             self._output = make_socket(self._ctx, self._output_address, zmq.PULL, bind=True)
+            # With tcp://host:* the socket picked a free port.
+            self._output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
             self._self_report = make_socket(self._ctx, self._output_address, zmq.PUSH, bind=False)
         for core in self.cores:
             await core.launch()
+
+    async def _connect_ray(self, cluster: RayCluster) -> None:
+        """Connect to Ray, reserve a bundle per rank; a RayCore per rank (not started)."""
+        from asyncengine.client.ray_cores import RayCore
+
+        await anyio.to_thread.run_sync(cluster.start, self._startup_timeout)
+        cores: list[CoreProcess] = [
+            RayCore(
+                self._ctx,
+                self.config.for_rank(rank),
+                cluster,
+                name=f"engine core rank {rank}",
+                startup_timeout=self._startup_timeout,
+            )
+            for rank in range(self.size)
+        ]
+        self.cores = cores
+        self._output_address = f"tcp://{cluster.node_ip}:*"
 
     async def start(self) -> None:
         """Every rank starts at once; the first that fails stops them all (its rank and
@@ -360,6 +393,8 @@ class DPCoreClient(EngineCoreClient):
             async with anyio.create_task_group() as tg:
                 for core in self.cores:
                     tg.start_soon(core.stop)
+            if self._ray is not None:
+                await anyio.to_thread.run_sync(self._ray.stop)
             for sock in (self._output, self._self_report):
                 if sock is not None:
                     sock.close(linger=0)

@@ -302,6 +302,8 @@ class EngineCoreProc:
         self._stop_input = threading.Event()
         # The input socket is bound here, before READY, so the clients can connect at once.
         self._input_socket = make_socket(ctx, addresses.input_address, zmq.PULL, bind=True)
+        # What it bound: a tcp:// address with port `*` (Ray ranks) gets a free port here.
+        self.input_address = self._input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.input_thread = threading.Thread(
             target=self._process_input_socket, name="EngineCoreInputIO", daemon=True
         )
@@ -449,7 +451,8 @@ def run_engine_core(
             handshake.send(encoder.encode(HandshakeFailed(error=reason)))
             exit_code = 1
             return
-        handshake.send(encoder.encode(HandshakeReady(num_kv_blocks=engine_core.num_kv_blocks)))
+        ready = HandshakeReady(engine_core.num_kv_blocks, input_address=proc.input_address)
+        handshake.send(encoder.encode(ready))
         handshake.close()
         proc.run()
     except SystemExit as exc:

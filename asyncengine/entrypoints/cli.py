@@ -86,6 +86,11 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--data-parallel-fail-fast", dict(dest="data_parallel_fail_fast", action="store_const",
                                        const=True, help="one dead rank stops the whole engine "
                                                         "(default: the others serve on)")),
+    ("--data-parallel-placement", dict(dest="data_parallel_placement",
+                                       choices=("spread", "pack"),
+                                       help="with --data-parallel-backend ray: a rank per "
+                                            "node where possible, or as few nodes as the "
+                                            "ranks fit on (default: spread)")),
     ("--num-threads", dict(dest="num_threads", type=int, metavar="N",
                            help="compute threads per worker (default: the machine's cores "
                                 "shared among every worker of every rank on it)")),

@@ -191,6 +191,7 @@ class HandshakeReady(msgspec.Struct, tag=True, gc=False):
     """Core → client: the model is loaded and the KV cache allocated; serving starts."""
 
     num_kv_blocks: int
+    input_address: str = ""  # the input socket it bound (its port, when told `*`)
 
 
 class HandshakeFailed(msgspec.Struct, tag=True, gc=False):
