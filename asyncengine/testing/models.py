@@ -47,6 +47,42 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
     )
 
 
+# What the byte-level tokenizer learns its merges from: JSON-ish text, so that structured
+# outputs tests see multi-character tokens such as '{"', '":', 'true' and digit runs.
+_BYTE_CORPUS = [
+    '{"name": "hello", "age": 12, "ok": true, "items": [1, 2, 3], "x": null}',
+    '{"id": 7, "tags": ["a", "b"], "score": -3.5e2, "nested": {"k": false}}',
+    "the engine is fast and async; a token, a block, a cache.",
+    "0123456789 -+.eE []{}:, true false null",
+]
+
+
+def _byte_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer (every byte is a token, plus merges learned from a little
+    JSON), trained offline in milliseconds. It may be smaller than `vocab_size`: the model's
+    vocabulary is then padded, as real checkpoints' often are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
 def _config(arch: str, **overrides: Any) -> Any:
     import transformers
 
@@ -82,11 +118,14 @@ def build_tiny_model(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "words",
     **overrides: Any,
 ) -> Path:
     """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
 
     `overrides` change the transformers config (hidden_size, num_hidden_layers, ...).
+    `tokenizer`: "words" (a word-level vocabulary of letters and common words) or "bytes"
+    (byte-level BPE: it can spell any text, e.g. JSON; smaller than the model's vocabulary).
     Returns the folder, which holds config.json, model.safetensors and tokenizer files.
     """
     import torch
@@ -104,7 +143,12 @@ def build_tiny_model(
                 p.normal_(0.0, 0.1 if "embed" not in name else 1.0)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
-    _tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    if tokenizer == "words":
+        _tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    elif tokenizer == "bytes":
+        _byte_tokenizer(config.vocab_size).save_pretrained(path)
+    else:
+        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words' or 'bytes'")
     # Record that this is a plain random checkpoint for anyone looking at the folder.
     (path / "asyncengine_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return path
