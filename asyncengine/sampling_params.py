@@ -84,7 +84,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict) else _json.loads(str(self.json))
-            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Not sorted: the order of a schema's properties is the order of the output's keys.
+            return kind, _json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return kind, _json.dumps(self.choice)
         if kind == "json_object":

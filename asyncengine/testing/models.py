@@ -57,10 +57,13 @@ _BYTE_CORPUS = [
 ]
 
 
-def _byte_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer (every byte is a token, plus merges learned from a little
-    JSON), trained offline in milliseconds. It may be smaller than `vocab_size`: the model's
-    vocabulary is then padded, as real checkpoints' often are."""
+def _ascii_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer over printable ASCII (every such character is a token, plus
+    merges learned from a little JSON), trained offline in milliseconds. It is smaller than
+    `vocab_size`: the model's vocabulary is padded, as real checkpoints' often are.
+
+    Printable ASCII only: a random model then cannot write raw control characters or stray
+    UTF-8 bytes, which xgrammar lets through inside JSON strings (docs/structured_outputs.md)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -70,7 +73,9 @@ def _byte_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # GPT-2's byte-to-character map: '!'..'~' map to themselves, the space to 'Ġ'.
+        initial_alphabet=[chr(b) for b in range(33, 127)] + ["\u0120"],
+        limit_alphabet=95,
         show_progress=False,
     )
     tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
@@ -124,8 +129,8 @@ def build_tiny_model(
     """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
 
     `overrides` change the transformers config (hidden_size, num_hidden_layers, ...).
-    `tokenizer`: "words" (a word-level vocabulary of letters and common words) or "bytes"
-    (byte-level BPE: it can spell any text, e.g. JSON; smaller than the model's vocabulary).
+    `tokenizer`: "words" (a word-level vocabulary of letters and common words) or "ascii"
+    (byte-level BPE over printable ASCII: it spells JSON; smaller than the model's vocabulary).
     Returns the folder, which holds config.json, model.safetensors and tokenizer files.
     """
     import torch
@@ -145,10 +150,10 @@ def build_tiny_model(
     model.save_pretrained(path)
     if tokenizer == "words":
         _tiny_tokenizer(config.vocab_size).save_pretrained(path)
-    elif tokenizer == "bytes":
-        _byte_tokenizer(config.vocab_size).save_pretrained(path)
+    elif tokenizer == "ascii":
+        _ascii_tokenizer(config.vocab_size).save_pretrained(path)
     else:
-        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words' or 'bytes'")
+        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words' or 'ascii'")
     # Record that this is a plain random checkpoint for anyone looking at the folder.
     (path / "asyncengine_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return path
