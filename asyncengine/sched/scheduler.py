@@ -119,7 +119,9 @@ class Scheduler:
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; fail those whose grammar is invalid."""
-        if not any(r.grammar is not None and r.grammar.is_ready() for r in self.waiting_for_grammar):
+        if not any(
+            r.grammar is not None and r.grammar.is_ready() for r in self.waiting_for_grammar
+        ):
             return
         still: list[Request] = []
         for request in self.waiting_for_grammar:

@@ -16,6 +16,7 @@ loads it (nor the tokenizer it needs).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -90,9 +91,7 @@ class StructuredOutputManager:
         # One thread: compiles queue behind each other, never behind the busy loop.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-grammar")
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on the grammar thread
-        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = (
-            OrderedDict()
-        )
+        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # the cache is touched by the loop and by done-callbacks
         self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)
         self.num_compiles = 0  # compiles started (cache misses), for statistics and tests
@@ -106,14 +105,16 @@ class StructuredOutputManager:
                 future = self._executor.submit(self._compile, *key)
                 self.num_compiles += 1
                 self._cache[key] = future
-                future.add_done_callback(lambda f, key=key: self._forget_failure(key, f))
+                future.add_done_callback(functools.partial(self._forget_failure, key))
                 while len(self._cache) > _CACHE_ENTRIES:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
         return RequestGrammar(future)
 
-    def _forget_failure(self, key: tuple[str, str], future: Future[object]) -> None:
+    def _forget_failure(
+        self, key: tuple[str, str], future: Future[xgrammar.CompiledGrammar]
+    ) -> None:
         # A failed compile is not cached: a retry may follow a fixed cause (and costs little).
         if future.exception() is not None:
             with self._lock:
@@ -130,7 +131,9 @@ class StructuredOutputManager:
         t // 32 set: token t allowed), R = len(grammars), W = `num_words`."""
         rows = len(grammars)
         if self._bitmask.shape[0] < rows:
-            self._bitmask = np.zeros((max(rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32)
+            self._bitmask = np.zeros(
+                (max(rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
+            )
         bitmask = self._bitmask[:rows]
         for i, grammar in enumerate(grammars):
             assert grammar.matcher is not None
@@ -193,4 +196,3 @@ def _json_loads_list(text: str) -> list[str]:
     value = json.loads(text)
     assert isinstance(value, list)
     return [str(v) for v in value]
-
