@@ -198,10 +198,10 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None  # null when the message is tool calls alone
-    tool_calls: list[ToolCall] = []  # left out when empty, as OpenAI does
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

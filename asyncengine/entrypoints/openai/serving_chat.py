@@ -246,7 +246,7 @@ class _Run:
                 finish_reason = "tool_calls"
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content, tool_calls=calls),
+            message=AssistantMessage(content=content, tool_calls=calls or None),
             logprobs=(
                 ChatLogprobs(content=c.logprobs or []) if self.params.logprobs is not None else None
             ),

@@ -3,6 +3,7 @@ extension, → `StructuredOutputsParams` (a 400 naming the parameter when malfor
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from asyncengine.entrypoints.openai.errors import bad_request
@@ -11,6 +12,11 @@ from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_CLIENT_PREFIX = re.compile(r"^request '[^']*' is invalid: ")
+_SCHEMA_PLACES = {
+    "response_format": "response_format.json_schema.schema",
+    "tools": "a schema of tools[].function.parameters",
+}
 
 
 def request_constraint(req: _SamplingRequest) -> StructuredOutputsParams | None:
@@ -36,7 +42,10 @@ def constraint_error(exc: Exception, req: _SamplingRequest, tools_constrain: boo
         param = "structured_outputs"
     else:
         param = "tools" if tools_constrain else None
-    return bad_request(f"{param or 'the request'} is invalid: {exc}", param)
+    # The core names the constraint as StructuredOutputsParams holds it; name it as sent.
+    message = _CLIENT_PREFIX.sub("", str(exc))
+    message = message.replace("structured_outputs.json ", f"{_SCHEMA_PLACES.get(param, param)} ")
+    return bad_request(message, param)
 
 
 def _from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
