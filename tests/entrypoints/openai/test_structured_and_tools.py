@@ -265,7 +265,8 @@ def test_default_model_parse_tools_and_400(default_model_client: openai.OpenAI) 
     assert isinstance(parsed.choices[0].message.parsed, Person)
 
     kw: dict[str, Any] = dict(
-        model="tiny", messages=ASK, tools=TOOLS[:1], tool_choice="required", temperature=0,
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+        parallel_tool_calls=False,
         max_tokens=100,
     )  # fmt: skip
     out = client.chat.completions.create(**kw)
