@@ -304,7 +304,10 @@ class Scheduler:
                     # The bitmask allowed only what the grammar accepts: this is a bug, and
                     # it fails this request alone.
                     request.finish_reason = FinishReason.ABORT
-                    error = f"token {token_id} was sampled against the request's grammar"
+                    error = (
+                        f"token {token_id} was sampled against the request's grammar (can "
+                        "the tokenizer spell what the grammar needs? min_tokens past its end?)"
+                    )
                     break
                 if self._check_stop(request, token_id):
                     break

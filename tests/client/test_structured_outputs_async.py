@@ -43,10 +43,12 @@ async def test_generate_and_chat_obey_a_schema(engine: AsyncLLM) -> None:
         max_tokens=100,
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     )
-    async for out in engine.generate("hello", params):
+    out = None
+    async for out in engine.generate("hello", params):  # noqa: B007
         pass
+    assert out is not None
     jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
-    async for out in engine.chat([{"role": "user", "content": "hi"}], params):
+    async for out in engine.chat([{"role": "user", "content": "hi"}], params):  # noqa: B007
         pass
     jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
@@ -55,10 +57,10 @@ async def test_an_invalid_grammar_is_a_value_error_and_the_engine_goes_on(
     engine: AsyncLLM,
 ) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= ("))
-    with pytest.raises(ValueError, match="structured_outputs.grammar could not be compiled"):
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar could not be compiled"):
         async for _ in engine.generate("hello", bad):
             pass
     choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x", "y"]))
-    async for out in engine.generate("hello", choice):
+    async for out in engine.generate("hello", choice):  # noqa: B007
         pass
     assert out.outputs[0].text in ("x", "y")

@@ -44,7 +44,9 @@ def constraint_error(exc: Exception, req: _SamplingRequest, tools_constrain: boo
         param = "tools" if tools_constrain else None
     # The core names the constraint as StructuredOutputsParams holds it; name it as sent.
     message = _CLIENT_PREFIX.sub("", str(exc))
-    message = message.replace("structured_outputs.json ", f"{_SCHEMA_PLACES.get(param, param)} ")
+    if param is not None:
+        place = _SCHEMA_PLACES.get(param, param)
+        message = message.replace("structured_outputs.json ", f"{place} ")
     return bad_request(message, param)
 
 

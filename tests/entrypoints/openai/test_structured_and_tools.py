@@ -227,7 +227,9 @@ def test_auto_streaming_holds_back_only_what_may_be_a_call() -> None:
     assert tools is not None
     stream = ToolCallStream(tools)
     sent = ""
-    for piece in ["Sure", ", let me", " check <tool", "_call>", '{"name": "add", ', '"arguments":', ' {"a": 1, "b": 2}}</tool_call>']:  # fmt: skip
+    pieces = ["Sure", ", let me", " check <tool", "_call>", '{"name": "add", ', '"arguments":',
+              ' {"a": 1, "b": 2}}</tool_call>']  # fmt: skip
+    for piece in pieces:
         content, deltas = stream.feed(piece)
         sent += content
         assert not deltas
@@ -248,9 +250,11 @@ def default_model_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[o
     from asyncengine.entrypoints.default_model import default_model_dir
 
     log = tmp_path_factory.mktemp("serve-default") / "serve.log"
-    with serve(default_model_dir(), log) as (_, url):
-        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
-            yield client
+    with (
+        serve(default_model_dir(), log) as (_, url),
+        openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client,
+    ):
+        yield client
 
 
 def test_default_model_parse_tools_and_400(default_model_client: openai.OpenAI) -> None:
