@@ -13,10 +13,15 @@ from asyncengine.errors import (
     EngineGenerateError,
     EngineOverloadedError,
     EngineStartupError,
+    InvalidRequestError,
     UnsupportedModelError,
 )
 from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from asyncengine.version import __version__
 
 if TYPE_CHECKING:
@@ -37,9 +42,11 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStartupError",
     "EngineStats",
+    "InvalidRequestError",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "UnsupportedModelError",
     "__version__",
 ]

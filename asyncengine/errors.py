@@ -19,6 +19,12 @@ class EngineGenerateError(RuntimeError):
     ends with this error, naming the request and the cause. The engine goes on."""
 
 
+class InvalidRequestError(EngineGenerateError, ValueError):
+    """The engine core found a request invalid where only it could tell (e.g. a structured
+    outputs constraint that does not compile): a `ValueError` for its sender, raised by its
+    stream. The engine goes on."""
+
+
 class EngineOverloadedError(RuntimeError):
     """`max_queued_requests` requests already wait: this one is refused, at once. Retry later
     (the server answers 503 with Retry-After)."""

@@ -10,6 +10,8 @@ that was validated once need not be validated again in every process it passes t
 from __future__ import annotations
 
 import enum
+import json as _json
+from typing import Any
 
 import msgspec
 
@@ -22,6 +24,10 @@ _MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 8192
 MAX_STOP_TOKEN_IDS = 1024
+# A constraint is compiled in the engine core: bound what one request can ask it to compile.
+MAX_CONSTRAINT_CHARS = 256 * 1024
+MAX_CHOICES = 4096
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -34,6 +40,121 @@ class RequestOutputKind(enum.IntEnum):
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field}={value!r} is invalid: {allowed}")
+
+
+def _bad_constraint(field: str, value: object, allowed: str) -> ValueError:
+    shown = value if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+    return ValueError(f"StructuredOutputsParams.{field}={shown!r} is invalid: {allowed}")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on what a request may generate; exactly one kind per request.
+
+    - `json`: a JSON schema (a dict, or its JSON text); the output is a JSON value valid
+      against it.
+    - `json_object=True`: any JSON object.
+    - `regex`: the whole output matches the regular expression.
+    - `choice`: the output is exactly one of these strings.
+    - `grammar`: an EBNF grammar (GBNF style, `root ::= ...`); the output derives from `root`.
+
+    The client checks the shape here (ValueError naming the field); the engine core compiles
+    the constraint, and a constraint it cannot compile fails its request alone with a
+    ValueError naming the problem.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of `STRUCTURED_OUTPUT_KINDS`."""
+        for name in STRUCTURED_OUTPUT_KINDS:
+            if name != "json_object" and getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal keys compile to the same grammar (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict) else _json.loads(str(self.json))
+            # Not sorted: the order of a schema's properties is the order of the output's keys.
+            return kind, _json.dumps(schema, separators=(",", ":"))
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
+
+    def validate(self) -> None:
+        """ValueError naming the invalid field and what is allowed."""
+        given = [
+            name
+            for name in STRUCTURED_OUTPUT_KINDS
+            if (getattr(self, name) is not None if name != "json_object" else self.json_object)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                f"; got {', '.join(given) if given else 'none'}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise _bad_constraint("json_object", self.json_object, "must be True or False")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            self._validate_schema(value)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value.strip():
+                raise _bad_constraint(kind, value, "must be a non-empty string")
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise _bad_constraint(
+                    kind, f"<{len(value)} chars>", f"at most {MAX_CONSTRAINT_CHARS} characters"
+                )
+        elif kind == "choice":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) and c for c in value)
+            ):
+                raise _bad_constraint(kind, value, "must be a non-empty list of non-empty strings")
+            if len(value) > MAX_CHOICES or sum(map(len, value)) > MAX_CONSTRAINT_CHARS:
+                raise _bad_constraint(
+                    kind,
+                    f"<{len(value)} choices>",
+                    f"at most {MAX_CHOICES} choices of {MAX_CONSTRAINT_CHARS} characters in all",
+                )
+
+    @staticmethod
+    def _validate_schema(value: object) -> None:
+        if isinstance(value, str):
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise _bad_constraint(
+                    "json", f"<{len(value)} chars>", f"at most {MAX_CONSTRAINT_CHARS} characters"
+                )
+            try:
+                value = _json.loads(value)
+            except ValueError as exc:
+                raise _bad_constraint("json", value, f"not valid JSON: {exc}") from None
+        elif isinstance(value, dict):
+            try:
+                text = _json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise _bad_constraint("json", value, f"not JSON-serialisable: {exc}") from None
+            if len(text) > MAX_CONSTRAINT_CHARS:
+                raise _bad_constraint(
+                    "json", f"<{len(text)} chars>", f"at most {MAX_CONSTRAINT_CHARS} characters"
+                )
+        if not isinstance(value, dict):
+            raise _bad_constraint(
+                "json", value, "must be a JSON schema: a dict, or a string holding a JSON object"
+            )
 
 
 class CoreSamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -58,6 +179,7 @@ class CoreSamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
@@ -148,3 +270,11 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
             raise _bad(
                 "output_kind", self.output_kind, "must be CUMULATIVE, DELTA or FINAL_ONLY"
             ) from None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise _bad(
+                    "structured_outputs",
+                    self.structured_outputs,
+                    "must be None or a StructuredOutputsParams",
+                )
+            self.structured_outputs.validate()

@@ -57,3 +57,10 @@ def chat_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     shutil.copytree(tiny_llama, path)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
+
+
+@pytest.fixture(scope="session")
+def ascii_llama(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The tiny Llama with a byte-level tokenizer over printable ASCII (it can spell JSON),
+    smaller than the model's vocabulary (padded logits)."""
+    return tiny_model_factory("llama", tokenizer="ascii")

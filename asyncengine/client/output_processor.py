@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from asyncengine.client.detokenizer import IncrementalDetokenizer
 from asyncengine.client.input_processor import ProcessedRequest
 from asyncengine.client.tokenizer import Tokenizer
-from asyncengine.errors import EngineGenerateError
+from asyncengine.errors import EngineGenerateError, InvalidRequestError
 from asyncengine.ipc.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsEntry
 from asyncengine.outputs import (
     CompletionOutput,
@@ -176,6 +176,8 @@ class OutputProcessor:
 
     @staticmethod
     def _failure(state: RequestState, exc: Exception) -> EngineGenerateError:
+        if isinstance(exc, InvalidRequestError):  # the core found it invalid
+            return InvalidRequestError(f"request {state.request_id!r} is invalid: {exc}")
         if isinstance(exc, EngineGenerateError):  # the core failed it
             return EngineGenerateError(f"request {state.request_id!r} failed in the engine: {exc}")
         error = EngineGenerateError(
@@ -196,7 +198,7 @@ class OutputProcessor:
         """Fold one core output into `seq`; True when a stop string ended it here.
         Raises EngineGenerateError for a request the core failed."""
         if out.error is not None:
-            raise EngineGenerateError(out.error)
+            raise (InvalidRequestError if out.bad_request else EngineGenerateError)(out.error)
         metrics = state.metrics
         if metrics.first_token_time is None and out.new_token_ids:
             metrics.first_token_time = now

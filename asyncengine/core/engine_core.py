@@ -15,8 +15,12 @@ from asyncengine.executor.factory import executor_class
 from asyncengine.ipc.messages import CoreLoad, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.scheduler import Scheduler
+from asyncengine.sched.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a compiling grammar before it looks at its inputs again.
+_GRAMMAR_WAIT_S = 0.01
 
 
 def import_model_code(config: EngineConfig, *, owns_process: bool) -> None:
@@ -42,12 +46,13 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.config = config.replace_cache(num_kv_blocks=num_blocks)
-        cache = self.config.cache_config
+        cache, model = self.config.cache_config, self.config.model_config
         self.scheduler = Scheduler(
             self.config.scheduler_config,
             KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
-            self.config.model_config.eos_token_ids,
-            self.config.model_config.vocab_size,
+            model.eos_token_ids,
+            model.vocab_size,
+            StructuredOutputManager(model.model, model.vocab_size, model.eos_token_ids),
         )
         logger.info("engine core ready in %.2f s", time.monotonic() - start)
 
@@ -68,6 +73,9 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Nothing can run until a grammar compiles: wait for it here, not in a spin.
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
@@ -103,4 +111,8 @@ class EngineCore:
         self.executor.collective_rpc("wake_up")
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.executor.shutdown()
+        finally:
+            if self.scheduler.structured_outputs is not None:
+                self.scheduler.structured_outputs.shutdown()

@@ -53,6 +53,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # this request failed in the core (it is finished, with ABORT)
+    bad_request: bool = False  # the error is the request's own (the client raises ValueError)
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,18 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """The tokens each constrained row may sample this step.
+
+    `bitmask` is int32 [R, W] in C order (R = len(req_ids), W = ceil(V / 32)): bit t % 32 of
+    word t // 32 is set when token t is allowed. Rows follow `req_ids`, which name requests
+    that sample this step.
+    """
+
+    req_ids: list[str]
+    bitmask: bytes
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     """One step's work: which requests run, and how many tokens of each."""
 
@@ -40,6 +52,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_scheduled_tokens: dict[str, int]  # in batch order: cached requests first, then new
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished, aborted or preempted since the last step: drop them
+    grammar_bitmask: GrammarBitmask | None = None  # None: no row of this step is constrained
 
     @property
     def is_empty(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
 from asyncengine.sampling_params import CoreSamplingParams
+from asyncengine.sched.structured_outputs import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,6 +36,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # filled by the KV cache manager
     max_tokens: int = 0  # output budget, resolved against max_model_len
+    grammar: RequestGrammar | None = None  # structured outputs: its matcher follows the outputs
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:

@@ -23,12 +23,14 @@ from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.output import (
     INVALID_TOKEN_ID,
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from asyncengine.sched.request import Request, RequestStatus
 from asyncengine.sched.request_queue import make_request_queue
+from asyncengine.sched.structured_outputs import StructuredOutputManager
 
 
 class Scheduler:
@@ -38,6 +40,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...],
         vocab_size: int | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -53,6 +56,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy, config.max_num_batched_tokens)
         self.running: list[Request] = []
+        # Structured outputs: requests wait here, beside the queue, until their grammar is
+        # compiled, so a slow compile holds up no one else.
+        self.structured_outputs = structured_outputs
+        self.waiting_for_grammar: list[Request] = []
+        self._failed_outputs: list[EngineCoreOutput] = []  # reported by the next update
         self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts and recomputes, in all
@@ -69,6 +77,13 @@ class Scheduler:
             check_token_ids(core_request.prompt_token_ids, self.vocab_size)
         max_tokens = self.limits.check(request_id, len(core_request.prompt_token_ids), params)
         request = Request.from_core_request(core_request, max_tokens)
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise ValueError("this engine core was built without structured outputs")
+            request.grammar = self.structured_outputs.grammar_for(params.structured_outputs)
+            self.requests[request.request_id] = request
+            self.waiting_for_grammar.append(request)
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -83,6 +98,8 @@ class Scheduler:
             aborted.append(req_id)
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.finish_reason = FinishReason.ABORT
@@ -98,10 +115,76 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests)
 
+    # ---- structured outputs --------------------------------------------------------------
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; fail those whose grammar is invalid."""
+        if not any(
+            r.grammar is not None and r.grammar.is_ready() for r in self.waiting_for_grammar
+        ):
+            return
+        still: list[Request] = []
+        for request in self.waiting_for_grammar:
+            assert request.grammar is not None
+            if not request.grammar.is_ready():
+                still.append(request)
+                continue
+            try:
+                request.grammar.start()
+            except ValueError as exc:  # the constraint itself is invalid: its sender's fault
+                self._fail_waiting(request, str(exc), bad_request=True)
+            except Exception as exc:  # e.g. the tokenizer could not be read
+                self._fail_waiting(request, f"its grammar failed: {type(exc).__name__}: {exc}")
+            else:
+                self.waiting.add(request)
+        self.waiting_for_grammar = still
+
+    def _fail_waiting(self, request: Request, error: str, *, bad_request: bool = False) -> None:
+        request.finish_reason = FinishReason.ABORT
+        self._free_request(request)
+        self._failed_outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                finish_reason=FinishReason.ABORT,
+                error=error,
+                bad_request=bad_request,
+            )
+        )
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to `timeout` s for a pending grammar, when nothing else can run (so an
+        engine with only compiling requests does not spin)."""
+        if self.structured_outputs is None or not self.waiting_for_grammar:
+            return
+        if self.running or self.waiting:
+            return
+        self.structured_outputs.wait_any(
+            [r.grammar for r in self.waiting_for_grammar if r.grammar is not None], timeout
+        )
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+        """The bitmask rows of this step's constrained requests that sample (a prefill chunk
+        short of the end samples nothing)."""
+        if self.structured_outputs is None:
+            return None
+        rows = [
+            request
+            for req_id in num_scheduled
+            if (request := self.requests[req_id]).grammar is not None
+            and request.num_computed_tokens == request.num_tokens
+        ]
+        if not rows:
+            return None
+        bitmask = self.structured_outputs.fill_bitmask([r.grammar for r in rows if r.grammar])
+        return GrammarBitmask([r.request_id for r in rows], bitmask)
+
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch; every chosen request's blocks are allocated."""
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
@@ -181,6 +264,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            grammar_bitmask=self._grammar_bitmask(num_scheduled),
         )
         self.finished_req_ids = []
         return output
@@ -199,7 +283,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append sampled tokens, finish requests that stop, and report what is new."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._failed_outputs = self._failed_outputs, []
         logprobs = runner_output.logprobs
         for idx, (req_id, token_ids) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
@@ -216,7 +300,19 @@ class Scheduler:
                     break
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    # The bitmask allowed only what the grammar accepts: this is a bug, and
+                    # it fails this request alone.
+                    request.finish_reason = FinishReason.ABORT
+                    error = (
+                        f"token {token_id} was sampled against the request's grammar (can "
+                        "the tokenizer spell what the grammar needs? min_tokens past its end?)"
+                    )
+                    break
                 if self._check_stop(request, token_id):
+                    break
+                if request.grammar is not None and request.grammar.is_terminated:
+                    request.finish_reason = FinishReason.STOP  # ignore_eos: the grammar ended
                     break
             entry = logprobs[idx] if logprobs is not None else None
             outputs.append(

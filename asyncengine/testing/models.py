@@ -47,6 +47,47 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
     )
 
 
+# What the byte-level tokenizer learns its merges from: JSON-ish text, so that structured
+# outputs tests see multi-character tokens such as '{"', '":', 'true' and digit runs.
+_BYTE_CORPUS = [
+    '{"name": "hello", "age": 12, "ok": true, "items": [1, 2, 3], "x": null}',
+    '{"id": 7, "tags": ["a", "b"], "score": -3.5e2, "nested": {"k": false}}',
+    "the engine is fast and async; a token, a block, a cache.",
+    "0123456789 -+.eE []{}:, true false null",
+]
+
+
+def _ascii_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer over printable ASCII (every such character is a token, plus
+    merges learned from a little JSON), trained offline in milliseconds. It is smaller than
+    `vocab_size`: the model's vocabulary is padded, as real checkpoints' often are.
+
+    Printable ASCII only: a random model then cannot write raw control characters or stray
+    UTF-8 bytes, which xgrammar lets through inside JSON strings (docs/structured_outputs.md)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        # GPT-2's byte-to-character map: '!'..'~' map to themselves, the space to 'Ġ'.
+        initial_alphabet=[chr(b) for b in range(33, 127)] + ["\u0120"],
+        limit_alphabet=95,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
 def _config(arch: str, **overrides: Any) -> Any:
     import transformers
 
@@ -82,11 +123,14 @@ def build_tiny_model(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "words",
     **overrides: Any,
 ) -> Path:
     """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
 
     `overrides` change the transformers config (hidden_size, num_hidden_layers, ...).
+    `tokenizer`: "words" (a word-level vocabulary of letters and common words) or "ascii"
+    (byte-level BPE over printable ASCII: it spells JSON; smaller than the model's vocabulary).
     Returns the folder, which holds config.json, model.safetensors and tokenizer files.
     """
     import torch
@@ -104,7 +148,12 @@ def build_tiny_model(
                 p.normal_(0.0, 0.1 if "embed" not in name else 1.0)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
-    _tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    if tokenizer == "words":
+        _tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    elif tokenizer == "ascii":
+        _ascii_tokenizer(config.vocab_size).save_pretrained(path)
+    else:
+        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words' or 'ascii'")
     # Record that this is a plain random checkpoint for anyone looking at the folder.
     (path / "asyncengine_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return path

@@ -23,6 +23,7 @@ from asyncengine.sched.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingRequestState, build_sampling_metadata
@@ -190,7 +191,12 @@ class ModelRunner:
                 metadata = build_sampling_metadata(
                     states, self.model_config.vocab_size, logits.device
                 )
-                out = self.sampler.forward(logits[:, : self.model_config.vocab_size], metadata)
+                logits = logits[:, : self.model_config.vocab_size]  # [S, V]
+                if scheduler_output.grammar_bitmask is not None:
+                    apply_grammar_bitmask(
+                        logits, batch.sample_req_ids, scheduler_output.grammar_bitmask
+                    )
+                out = self.sampler.forward(logits, metadata)
                 # A NaN logit sampled means a broken row (argmax and the exponential race both
                 # pick NaN first): that request fails alone. O(S), and in the same sync.
                 picked = logits.gather(1, out.sampled_token_ids[:, None])[:, 0]  # [S]

@@ -17,7 +17,11 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # ---- requests --------------------------------------------------------------------------------
 
@@ -53,6 +57,10 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    response_format: dict[str, Any] | None = None
+    # vLLM's extension: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -83,6 +91,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -91,16 +101,20 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions for the chat template
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 def sampling_params(
-    request: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None
+    request: _SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams (DELTA outputs); ValueError naming a bad field."""
     given: dict[str, Any] = {
@@ -113,7 +127,11 @@ def sampling_params(
         if getattr(request, name) is not None
     }  # fmt: skip
     return SamplingParams(
-        **given, max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA
+        **given,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -169,9 +187,21 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None  # null when the message is tool calls alone
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -191,9 +221,24 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: Usage
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: the first names it, the rest add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -34,12 +34,22 @@ from asyncengine.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaMessage,
+    FunctionCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     sampling_params,
 )
 from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.entrypoints.openai.structured import constraint_error, request_constraint
+from asyncengine.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    ToolRequest,
+    parse_tool_calls,
+    render_tool_messages,
+    tool_request,
+)
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
 from asyncengine.integrations.starlette import SSEResponse
@@ -54,6 +64,7 @@ class _ChoiceState:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_stream: ToolCallStream | None = None  # when tools may be called
 
 
 class ChatServing:
@@ -66,20 +77,23 @@ class ChatServing:
         req = await decode_request(request, state.max_request_body_bytes, ChatCompletionRequest)
         state.check_model(req.model)
         state.check_ready()
-        params = _params(req)
-        prompt = self._prompt(req)
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        params = _params(req, tools)
+        prompt = self._prompt(req, tools)
         check_prompt(state, prompt, params, "messages")
-        run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival)
+        run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools)
         if req.stream:
             return SSEResponse(run.stream)
         try:
             body = await call_until_disconnect(request.receive, run.complete)
         except Exception as exc:
-            raise error_for(exc) from exc
+            raise error_for(
+                constraint_error(exc, req, tools is not None and tools.choice != "auto")
+            ) from exc
         # None: the client went away and its request was aborted; nobody reads this.
         return Response(body or b"", media_type="application/json")
 
-    def _prompt(self, req: ChatCompletionRequest) -> EnginePrompt:
+    def _prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> EnginePrompt:
         # Content parts are flattened here; render_chat checks the rest (empty list, roles).
         messages: list[dict[str, Any]] = []
         for i, message in enumerate(req.messages):
@@ -97,26 +111,39 @@ class ChatServing:
             entry: dict[str, Any] = {"role": message.role, "content": content or ""}
             if message.name is not None:
                 entry["name"] = message.name
+            if message.tool_calls is not None:
+                entry["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        tokenizer = self.state.engine.tokenizer
+        if tools is not None:
+            messages, extra = render_tool_messages(messages, tools, tokenizer.chat_template)
+            template_kwargs.update(extra)
         try:
             prompt = render_chat(
-                self.state.engine.tokenizer,
+                tokenizer,
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         return EnginePrompt(prompt.token_ids, prompt.text)
 
 
-def _params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
+def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise bad_request("response_format other than text is not supported", "response_format")
+    constraint = request_constraint(req)
+    tool_constraint = tools.constraint() if tools is not None else None
+    if constraint is not None and tool_constraint is not None:
+        raise bad_request(
+            "tool_choice 'required' or a named function constrains the output itself: "
+            "give no response_format or structured_outputs with it",
+            "tool_choice",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
@@ -124,7 +151,12 @@ def _params(req: ChatCompletionRequest) -> SamplingParams:
         max_tokens, max_name = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
-        return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        return sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            structured_outputs=constraint or tool_constraint,
+        )
     except ValueError as exc:
         raise from_value_error(exc, {"logprobs": "top_logprobs", "max_tokens": max_name}) from None
 
@@ -140,10 +172,15 @@ class _Run:
         prompt: EnginePrompt,
         request_id: str,
         arrival: float,
+        tools: ToolRequest | None = None,
     ) -> None:
         self.state, self.req, self.params, self.prompt = state, req, params, prompt
         self.request_id, self.arrival, self.created = request_id, arrival, created_now()
-        self.choices = [_ChoiceState() for _ in range(params.n)]
+        self.tools = tools
+        self.choices = [
+            _ChoiceState(tool_stream=ToolCallStream(tools) if tools is not None else None)
+            for _ in range(params.n)
+        ]
 
     async def _generate(self, on_output: OnOutput) -> None:
         await run_prompts(
@@ -190,23 +227,32 @@ class _Run:
             id=self.request_id,
             created=self.created,
             model=self.state.model_name,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content="".join(c.text)),
-                    logprobs=(
-                        ChatLogprobs(content=c.logprobs or [])
-                        if self.params.logprobs is not None
-                        else None
-                    ),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for i, c in enumerate(self.choices)
-            ],
+            choices=[self._choice(i, c) for i, c in enumerate(self.choices)],
             usage=self._usage(),
         )
         return msgspec.json.encode(response)
+
+    def _choice(self, index: int, c: _ChoiceState) -> ChatChoice:
+        content: str | None = "".join(c.text)
+        calls: list[ToolCall] = []
+        finish_reason = c.finish_reason
+        if self.tools is not None and finish_reason == "stop" and content is not None:
+            content, parsed = parse_tool_calls(content, self.tools)
+            calls = [
+                ToolCall(id=p.id, function=FunctionCall(name=p.name, arguments=p.arguments))
+                for p in parsed
+            ]
+            if calls:
+                finish_reason = "tool_calls"
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(content=content, tool_calls=calls or None),
+            logprobs=(
+                ChatLogprobs(content=c.logprobs or []) if self.params.logprobs is not None else None
+            ),
+            finish_reason=finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
     # ---- streamed ----------------------------------------------------------------------------
 
@@ -220,6 +266,17 @@ class _Run:
                 usage=usage,
             )
         )
+
+    def _delta(self, c: CompletionOutput) -> DeltaMessage:
+        """The message delta of a DELTA output: its text, or what tool calling makes of it."""
+        tool_stream = self.choices[c.index].tool_stream
+        if tool_stream is None:
+            return DeltaMessage(content=c.text) if c.text else DeltaMessage()
+        content, calls = tool_stream.feed(c.text) if c.text else ("", [])
+        if c.finish_reason is not None:
+            more_content, more_calls = tool_stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        return DeltaMessage(content=content or None, tool_calls=calls or None)
 
     async def stream(self, emit: Emit) -> None:
         continuous_usage = self.req.continuous_usage
@@ -236,11 +293,14 @@ class _Run:
                 logprobs = self._update(c)
                 choice = ChatChunkChoice(
                     index=c.index,
-                    delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                    delta=self._delta(c),
                     logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
+                tool_stream = self.choices[c.index].tool_stream
+                if tool_stream is not None and c.finish_reason == "stop" and tool_stream.calls:
+                    choice.finish_reason = "tool_calls"
                 await emit(self._chunk([choice], self._usage() if continuous_usage else None))
 
         try:

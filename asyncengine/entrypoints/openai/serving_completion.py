@@ -33,6 +33,7 @@ from asyncengine.entrypoints.openai.protocol import (
     sampling_params,
 )
 from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.entrypoints.openai.structured import constraint_error, request_constraint
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
 from asyncengine.integrations.starlette import SSEResponse
@@ -71,7 +72,7 @@ class CompletionServing:
         try:
             body = await call_until_disconnect(request.receive, run.complete)
         except Exception as exc:
-            raise error_for(exc) from exc
+            raise error_for(constraint_error(exc, req, False)) from exc
         # None: the client went away and its requests were aborted; nobody reads this.
         return Response(body or b"", media_type="application/json")
 
@@ -110,8 +111,11 @@ def _params(req: CompletionRequest) -> SamplingParams:
         raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of is not supported, other than equal to n", "best_of")
+    constraint = request_constraint(req)
     try:
-        return sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        return sampling_params(
+            req, max_tokens=req.max_tokens, logprobs=req.logprobs, structured_outputs=constraint
+        )
     except ValueError as exc:
         raise from_value_error(exc) from None
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
+import psutil
 from starlette.applications import Starlette
 
 from asyncengine.entrypoints.openai import server_state
@@ -116,3 +121,34 @@ def parse_metrics(text: str) -> dict[str, float]:
         key = f"{name}{{{','.join(kept)}}}" if kept else name
         samples[key] = float(value)
     return samples
+
+
+SERVE_FLAGS = [
+    "--port", "0", "--served-model-name", "tiny", "--no-access-log",
+    "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512",
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`asyncengine serve` on a free port; yields the process and its URL once healthy."""
+    command = [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(model)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*command, *SERVE_FLAGS, *flags], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None:
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
+            m = re.search(r"Uvicorn running on (http://[\d.:]+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()

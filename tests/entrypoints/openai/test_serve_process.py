@@ -4,55 +4,22 @@ gives 503s; the command's flags; the message when starlette is missing."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from openai_testing import parse_sse
+from openai_testing import parse_sse, serve
 
 from asyncengine.entrypoints import cli
 
 pytestmark = pytest.mark.timeout(180)
-
-SERVE_FLAGS = [
-    "--port", "0", "--served-model-name", "tiny", "--no-access-log",
-    "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512",
-]  # fmt: skip
-
-
-@contextlib.contextmanager
-def serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`asyncengine serve` on a free port; yields the process and its URL once healthy."""
-    command = [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(model)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*command, *SERVE_FLAGS, *flags], stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None:
-            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
-            m = re.search(r"Uvicorn running on (http://[\d.:]+)", log.read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.05)
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
 
 
 def engine_core(proc: subprocess.Popen[bytes]) -> psutil.Process:
