@@ -17,7 +17,6 @@ _VOCAB_SIZE = 512
 def _tiny_tokenizer(vocab_size: int) -> Any:
     """A word-level tokenizer over a fixed vocabulary with byte-ish fallbacks, fully offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -38,6 +37,13 @@ def _tiny_tokenizer(vocab_size: int) -> Any:
     )
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return _wrap(tokenizer)
+
+
+def _wrap(tokenizer: Any) -> Any:
+    """A transformers tokenizer around a `tokenizers` one, with our special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token="<s>",
@@ -65,7 +71,6 @@ def _ascii_tokenizer(vocab_size: int) -> Any:
     Printable ASCII only: a random model then cannot write raw control characters or stray
     UTF-8 bytes, which xgrammar lets through inside JSON strings (docs/structured_outputs.md)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -79,13 +84,7 @@ def _ascii_tokenizer(vocab_size: int) -> Any:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
+    return _wrap(tokenizer)
 
 
 def _config(arch: str, **overrides: Any) -> Any:

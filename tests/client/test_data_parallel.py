@@ -253,3 +253,15 @@ def test_parent_sigkill_with_dp2_and_tp2_leaves_no_process(
         finally:
             parent.kill()
     assert_gone(tree, timeout=15.0)
+
+
+def test_the_offline_llm_refuses_data_parallel(tiny_llama: Path) -> None:
+    from asyncengine import LLM
+
+    with pytest.raises(ValueError, match="data_parallel_size=2: the offline LLM"):
+        LLM(tiny_llama, data_parallel_size=2)
+
+
+async def test_data_parallel_needs_a_process_core(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="needs core='process'"):
+        AsyncLLM.from_pretrained(tiny_llama, core="thread", data_parallel_size=2)
