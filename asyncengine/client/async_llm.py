@@ -392,10 +392,20 @@ class AsyncLLM:
         held, state.held = state.held, []
         assert self._core_client is not None and self._output_processor is not None
         live = self._output_processor.requests
+        dead_ranks = self._core_client.rank_errors()
         for core_request, rank in held:
+            request_id = core_request.request_id.partition("#")[0]
             # Requests abandoned while held never reach the core.
-            if core_request.request_id.partition("#")[0] in live:
-                self._core_client.add_request_nowait(core_request, rank)
+            if request_id not in live:
+                continue
+            if rank in dead_ranks:  # pinned to a rank that died while it was held
+                stream = self._state.streams.pop(request_id, None)
+                self._output_processor.abort_requests([request_id])
+                if stream is not None:
+                    stream.put_dead(f"data_parallel_rank={rank} is dead: {dead_ranks[rank]}")
+                self._on_streams_ended()
+                continue
+            self._core_client.add_request_nowait(core_request, rank)
 
     async def sleep(self, level: int = 1) -> None:
         """Release memory while the engine is idle: level 1 the KV cache, level 2 the weights

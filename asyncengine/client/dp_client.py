@@ -220,8 +220,8 @@ class DPCoreClient(EngineCoreClient):
         base = request.request_id.partition("#")[0]
         if data_parallel_rank is not None:
             rank = data_parallel_rank
-        elif self._last_base is not None and self._last_base[0] == base:
-            rank = self._last_base[1]  # another copy of an n > 1 request: the same rank
+        elif "#" in request.request_id and self._last_base and self._last_base[0] == base:
+            rank = self._last_base[1]  # another copy (`id#i`) of an n > 1 request: its rank
         else:
             rank = self.router.route(request.prompt_token_ids)
         self._last_base = (base, rank)

@@ -383,6 +383,8 @@ class EngineCoreProc:
                     socks[client].send(buffer)
                 else:
                     logger.warning("dropped outputs for unknown client %d", client)
+        except zmq.ContextTerminated:
+            pass  # the process is going down (its context terminated first): quietly
         finally:
             for sock in socks:
                 sock.close()  # lingers until ENGINE_CORE_DEAD is out, or the linger runs out

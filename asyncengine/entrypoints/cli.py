@@ -358,6 +358,13 @@ def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
         )
         return 2
     config = EngineConfig.from_kwargs(model, **engine_kwargs_from_args(args))
+    if config.parallel_config.data_parallel_backend != "mp":
+        print(
+            "asyncengine serve: --api-server-count > 1 runs its engine cores on this machine "
+            "(--data-parallel-backend mp); with ray, use one API server",
+            file=sys.stderr,
+        )
+        return 2
     options = ServerOptions(
         served_model_name=args.served_model_name or Path(args.model).name or args.model,
         api_key=args.api_key or None,

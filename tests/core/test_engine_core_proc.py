@@ -330,3 +330,30 @@ def test_utility_round_trip_over_the_sockets(proc_harness: ProcHarness) -> None:
     assert out.utility_output is not None and out.utility_output.call_id == 9
     stats = msgspec.convert(out.utility_output.result, EngineStats)
     assert stats.num_kv_blocks == 8
+
+
+def test_a_terminated_context_ends_the_io_threads_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 22 item 11: the process terminates its ZMQ context (a shutdown racing a worker
+    death) while both IO threads still run: they end without a traceback, and the executor's
+    failure is still handled."""
+    crashes: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
+    tmp = make_private_socket_dir()
+    h = ProcHarness(tmp)
+    try:
+        h.recv()  # a heartbeat: both IO threads are running
+        h.input.close(linger=0)
+        h.output.close(linger=0)
+        terminator = threading.Thread(target=h.ctx.term, daemon=True)
+        terminator.start()  # returns once every socket, the IO threads' too, is closed
+        terminator.join(timeout=5)
+        assert not terminator.is_alive(), "an IO thread kept its socket open"
+        assert not h.proc.input_thread.is_alive() and not h.proc.output_thread.is_alive()
+        h.core.executor._notify_failure()  # the worker death the shutdown raced
+        h.thread.join(timeout=5)
+        assert isinstance(h.error, ExecutorFailedError)
+    finally:
+        remove_socket_dir(tmp)
+    assert crashes == []
