@@ -265,3 +265,20 @@ def test_the_offline_llm_refuses_data_parallel(tiny_llama: Path) -> None:
 async def test_data_parallel_needs_a_process_core(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="needs core='process'"):
         AsyncLLM.from_pretrained(tiny_llama, core="thread", data_parallel_size=2)
+
+
+async def test_abort_reaches_the_rank_that_holds_the_request(tiny_llama: Path) -> None:
+    async with AsyncLLM.from_pretrained(tiny_llama, **DP_KW) as engine:
+        for rank in (1, 0):
+            outputs = engine.generate("hello", LONG, data_parallel_rank=rank)
+            await outputs.__anext__()
+            running = [r.num_running_reqs for r in _rank_stats(await engine.statistics())]
+            assert running[rank] == 1 and running[1 - rank] == 0
+            await outputs.aclose()  # leaving the stream aborts the request on its rank
+            with anyio.fail_after(5):
+                while True:
+                    stats = _rank_stats(await engine.statistics())
+                    if stats[rank].num_running_reqs == 0:
+                        break
+                    await anyio.sleep(0.02)
+            assert stats[rank].num_free_kv_blocks == stats[rank].num_kv_blocks

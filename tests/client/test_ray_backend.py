@@ -147,3 +147,17 @@ async def test_a_killed_ray_actor_fails_only_its_rank(
         assert health.degraded and not health.ranks[1].healthy
     assert _live_engine_actors() == []
     assert _live_placement_groups() == []
+
+
+async def test_a_ray_rank_that_fails_to_start_leaves_nothing(
+    ray_cluster: Any, tiny_llama: Path
+) -> None:
+    from asyncengine import EngineStartupError
+
+    # No machine has room for this KV cache: every rank fails while allocating it.
+    kw = dict(RAY_KW, num_kv_blocks=2**40)
+    with pytest.raises(EngineStartupError, match=r"engine core rank \d failed to start"):
+        async with AsyncLLM.from_pretrained(tiny_llama, startup_timeout=120, **kw):
+            pass
+    assert _live_engine_actors() == []
+    assert _live_placement_groups() == []
