@@ -5,6 +5,10 @@
   `asyncengine.entrypoints.default_model`, which keeps it in its own cache).
 - `c`: a random Llama, hidden 1024, 8 layers, 16/8 heads, vocab 32000 (~160M parameters);
   built only when asked for.
+- `d`: a random Qwen2 with Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14/2 heads, MLP
+  4864, vocab 151936, tied embeddings, q/k/v biases; ~0.5B parameters) and SmolLM2's
+  tokenizer (49152 ids: the model's vocabulary is padded, as real checkpoints' often are,
+  and the tokenizer can spell JSON); built only when asked for.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".bench"
-MODEL_NAMES = ("a", "b", "c")
+MODEL_NAMES = ("a", "b", "c", "d")
 
 # Overrides of the transformers LlamaConfig (see asyncengine.testing.models).
 _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
@@ -40,6 +44,16 @@ _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
     ),
 }
+_QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 _SEED = 0
 _MARKER = "bench-model.json"  # written last: its presence means the folder is complete
 
@@ -51,6 +65,8 @@ class ModelUnavailable(RuntimeError):
 def describe(name: str) -> str:
     if name == "b":
         return "SmolLM2-135M-Instruct"
+    if name == "d":
+        return "random-qwen2 h896 L24 14/2h vocab 151936 (Qwen2.5-0.5B shapes)"
     cfg = _RANDOM_LLAMAS[name]
     return (
         f"random-llama h{cfg['hidden_size']} L{cfg['num_hidden_layers']} "
@@ -65,6 +81,8 @@ def model_dir(name: str, cache_dir: Path = CACHE_DIR) -> Path:
     """
     if name == "b":
         return _default_model()
+    if name == "d":
+        return _random_qwen2_05b(cache_dir)
     if name not in _RANDOM_LLAMAS:
         raise ValueError(f"unknown benchmark model {name!r}: one of {', '.join(MODEL_NAMES)}")
     return _random_llama(name, cache_dir)
@@ -82,6 +100,34 @@ def _random_llama(name: str, cache_dir: Path) -> Path:
     print(f"building benchmark model {name} ({describe(name)}) in {target} ...", file=sys.stderr)
     shutil.rmtree(target, ignore_errors=True)
     build_tiny_model(target, "llama", seed=_SEED, dtype="bfloat16", **overrides)
+    marker.write_text(json.dumps(spec))
+    return target
+
+
+def _random_qwen2_05b(cache_dir: Path) -> Path:
+    target = cache_dir / "model-d"
+    spec = {"arch": "qwen2", "seed": _SEED, "dtype": "bfloat16", **_QWEN2_05B, "tok": "smollm2"}
+    marker = target / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return target
+    from asyncengine.testing.models import build_tiny_model
+
+    tokenizer_dir = _default_model()
+    print(f"building benchmark model d ({describe('d')}) in {target} ...", file=sys.stderr)
+    shutil.rmtree(target, ignore_errors=True)
+    build_tiny_model(target, "qwen2", seed=_SEED, dtype="bfloat16", **_QWEN2_05B)
+    # SmolLM2's tokenizer and its special ids in place of the tiny word-level one.
+    for stale in target.glob("*token*"):
+        stale.unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, target / name)
+    smol = json.loads((tokenizer_dir / "config.json").read_text())
+    config = json.loads((target / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config[key] = smol.get(key)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    (target / "generation_config.json").unlink(missing_ok=True)
     marker.write_text(json.dumps(spec))
     return target
 

@@ -120,6 +120,11 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _int,
         _ptr, _i64, _i64, _i64, _ptr, _int,  # x, row stride, rows, n, out (int64), threads
     )),
+    "ae_apply_bitmask": (None, (
+        _int,
+        _ptr, _i64, _ptr, _i64,  # x, its row stride, row indices (int64), how many
+        _ptr, _i64, _i64, _int,  # int32 bitmask, its row stride in words, n, threads
+    )),
     "ae_linear_bf16_fast": (_int, ()),
     "ae_linear_bf16": (None, (
         _ptr, _i64, _i64,  # x, its row stride, rows
@@ -153,6 +158,7 @@ class NativeKernels:
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
     argmax_rows: Callable[..., None]
+    apply_bitmask: Callable[..., None]
     linear_bf16: Callable[..., None]
     linear_silu_bf16: Callable[..., None]
     linear_add_rms_norm_bf16: Callable[..., None]
@@ -232,6 +238,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         add_rms_norm=_function(lib, "ae_add_rms_norm"),
         silu_mul=_function(lib, "ae_silu_mul"),
         argmax_rows=_function(lib, "ae_argmax_rows"),
+        apply_bitmask=_function(lib, "ae_apply_bitmask"),
         linear_bf16=_function(lib, "ae_linear_bf16"),
         linear_silu_bf16=_function(lib, "ae_linear_silu_bf16"),
         linear_add_rms_norm_bf16=_function(lib, "ae_linear_add_rms_norm_bf16"),

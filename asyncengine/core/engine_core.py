@@ -54,6 +54,8 @@ class EngineCore:
             model.vocab_size,
             StructuredOutputManager(model.model, model.vocab_size, model.eos_token_ids),
         )
+        # An executor that fills grammar bitmasks beside the forward pass gets them deferred.
+        self.scheduler.defer_grammar_fill = self.executor.overlaps_grammar_fill
         logger.info("engine core ready in %.2f s", time.monotonic() - start)
 
     @property
@@ -77,7 +79,9 @@ class EngineCore:
             # Nothing can run until a grammar compiles: wait for it here, not in a spin.
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
         start = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
+        # A grammar bitmask left to the executor (computed beside the forward pass), or None.
+        grammar_fill = self.scheduler.take_grammar_fill()
+        runner_output = self.executor.execute_model(scheduler_output, grammar_fill)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()

@@ -7,9 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 FailureCallback = Callable[[], None]
+# Computes a step's grammar bitmask (structured outputs) from the grammars' state, which the
+# step itself does not change: an executor may run it beside the forward pass.
+GrammarFill = Callable[[], "GrammarBitmask | None"]
 
 
 class Executor(ABC):
@@ -64,9 +67,16 @@ class Executor(ABC):
     ) -> list[Any]:
         """Call `method` on every worker; one result per worker, rank order."""
 
+    # True: execute_model runs a grammar fill beside the forward pass (the scheduler then
+    # leaves it to the executor); False: the scheduler fills the bitmask itself.
+    overlaps_grammar_fill: bool = False
+
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; rank 0's output."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_fill: GrammarFill | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step on every worker; rank 0's output. `grammar_fill`, when given (only to
+        an executor that `overlaps_grammar_fill`), gives the bitmask the sampler must apply."""
 
     def determine_num_kv_blocks(self) -> int:
         """The KV block count every worker can hold."""

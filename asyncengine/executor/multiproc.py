@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from asyncengine.child_process import ChildProcess
-from asyncengine.executor.abstract import Executor
+from asyncengine.executor.abstract import Executor, GrammarFill
 from asyncengine.executor.messages import (
     ExecuteModel,
     ExecuteResult,
@@ -151,7 +151,11 @@ class MultiprocExecutor(Executor):
                 results[reply.rank] = reply.result
             return [results[rank] for rank in range(self.world_size)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_fill: GrammarFill | None = None
+    ) -> ModelRunnerOutput:
+        if grammar_fill is not None:  # not expected (overlaps_grammar_fill is False), but fine
+            scheduler_output.grammar_bitmask = grammar_fill()
         with self._lock:
             step_id = self._new_id()
             self._broadcast(self._encoder.encode(ExecuteModel(step_id, scheduler_output)))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.executor.abstract import Executor
+from asyncengine.executor.abstract import Executor, GrammarFill
 from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.worker import Worker
 
@@ -24,7 +25,12 @@ class UniProcExecutor(Executor):
             # Data-parallel ranks on one machine share its cores: more threads only contend.
             torch.set_num_threads(parallel.threads_per_worker())
 
+    # The grammar bitmask is filled on a thread of its own while the model runs: on CPUs the
+    # forward pass leaves a core idle for much of its Python and single-threaded parts.
+    overlaps_grammar_fill = True
+
     def _init_executor(self) -> None:
+        self._fill_thread: ThreadPoolExecutor | None = None
         c = self.config
         self.worker = Worker(c.model_config, c.cache_config, c.device_config)
         self.worker.load_model()
@@ -39,8 +45,16 @@ class UniProcExecutor(Executor):
         # In-process calls cannot time out usefully: the caller's thread is the worker's.
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_fill: GrammarFill | None = None
+    ) -> ModelRunnerOutput:
+        if grammar_fill is None:
+            return self.worker.execute_model(scheduler_output)
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-fill")
+        bitmask = self._fill_thread.submit(grammar_fill)
+        return self.worker.execute_model(scheduler_output, bitmask.result)
 
     def shutdown(self) -> None:
-        return None
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)

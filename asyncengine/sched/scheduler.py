@@ -8,7 +8,8 @@ policy's victim is preempted: its blocks are freed and it is recomputed later fr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.ipc.messages import (
@@ -60,6 +61,9 @@ class Scheduler:
         # compiled, so a slow compile holds up no one else.
         self.structured_outputs = structured_outputs
         self.waiting_for_grammar: list[Request] = []
+        # Set by the engine core when its executor fills bitmasks beside the forward pass.
+        self.defer_grammar_fill = False
+        self._deferred_rows: list[Request] = []
         self._failed_outputs: list[EngineCoreOutput] = []  # reported by the next update
         self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
         self.num_preemptions = 0
@@ -165,7 +169,8 @@ class Scheduler:
 
     def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
         """The bitmask rows of this step's constrained requests that sample (a prefill chunk
-        short of the end samples nothing)."""
+        short of the end samples nothing). With `defer_grammar_fill`, None: the rows wait for
+        `take_grammar_fill()`."""
         if self.structured_outputs is None:
             return None
         rows = [
@@ -176,8 +181,22 @@ class Scheduler:
         ]
         if not rows:
             return None
+        if self.defer_grammar_fill:
+            self._deferred_rows = rows
+            return None
+        return self._fill(rows)
+
+    def _fill(self, rows: list[Request]) -> GrammarBitmask:
+        assert self.structured_outputs is not None
         bitmask = self.structured_outputs.fill_bitmask([r.grammar for r in rows if r.grammar])
         return GrammarBitmask([r.request_id for r in rows], bitmask)
+
+    def take_grammar_fill(self) -> Callable[[], GrammarBitmask | None] | None:
+        """The last `schedule()`'s bitmask, deferred (`defer_grammar_fill`): a function that
+        fills it, to run while the step's forward pass does (the grammars' state does not
+        change until `update_from_output`). None when the step has no constrained row."""
+        rows, self._deferred_rows = self._deferred_rows, []
+        return functools.partial(self._fill, rows) if rows else None
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept, most recently used first (a JSON schema's is tens of KB to a few MB).
 _CACHE_ENTRIES = 256
+# From this many constrained rows a step fills the bitmask on every core (below, one thread
+# is cheaper than waking the others).
+_BATCH_FILL_MIN_ROWS = 8
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; users need what follows.
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _ANY_OBJECT = '{"type": "object"}'
@@ -95,6 +98,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the cache is touched by the loop and by done-callbacks
         self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)
         self.num_compiles = 0  # compiles started (cache misses), for statistics and tests
+        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
 
     def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A request's grammar: compiled now on the grammar thread, or taken from the cache."""
@@ -135,9 +139,20 @@ class StructuredOutputManager:
                 (max(rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
             )
         bitmask = self._bitmask[:rows]
-        for i, grammar in enumerate(grammars):
+        matchers = []
+        for grammar in grammars:
             assert grammar.matcher is not None
-            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            matchers.append(grammar.matcher)
+        if rows < _BATCH_FILL_MIN_ROWS:
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        else:
+            # The rows on every core at once: the model's threads are idle between steps.
+            if self._batch_matcher is None:
+                import xgrammar
+
+                self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=_num_cores())
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask.tobytes()
 
     def shutdown(self) -> None:
@@ -180,6 +195,11 @@ class StructuredOutputManager:
         threads = max(1, min(4, (os.cpu_count() or 1) - 1))
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         return self._compiler
+
+
+def _num_cores() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return max(1, cores or os.cpu_count() or 1)
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from asyncengine.kernels.bitmask_cpu import apply_bitmask_cpu
+from asyncengine.kernels.cpu_native import load_native
 from asyncengine.sched.output import GrammarBitmask
-
-_BITS = 32
 
 
 def apply_grammar_bitmask(
@@ -24,11 +24,27 @@ def apply_grammar_bitmask(
     """
     row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
     rows = [row_of[r] for r in grammar.req_ids]
-    vocab_size = logits.shape[1]
     words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32)
-    words = words.view(len(rows), -1).to(logits.device)  # [R, W]
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)  # [32]
-    allowed = (words.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    allowed = allowed.view(len(rows), -1)[:, :vocab_size].bool()  # [R, V]
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [R]
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    words = words.view(len(rows), -1)  # [R, W]
+    index = torch.tensor(rows, dtype=torch.int64)  # [R]
+    if logits.device.type == "cpu" and logits.stride(-1) == 1 and load_native() is not None:
+        apply_bitmask_cpu(logits, index, words)
+        return
+    # Elsewhere (CUDA, or no native build), xgrammar's kernel. Past the tokenizer's last id (a
+    # padded vocabulary: 151,936 logits for 49,152 ids, say) nothing is ever allowed: -inf in
+    # one slice, and the kernel's bit-by-bit work stops at the last word allowing anything.
+    import xgrammar
+
+    used = words.any(dim=0).nonzero()
+    num_words = int(used[-1]) + 1 if used.numel() else 0
+    width = min(logits.shape[1], num_words * 32)
+    if width < logits.shape[1]:
+        logits[index.to(logits.device), width:] = float("-inf")
+    if width == 0:
+        return
+    # The kernel indexes the bitmask by logits row: scatter our R rows to theirs.
+    full = torch.full((logits.shape[0], num_words), -1, dtype=torch.int32)  # [S, W']
+    full[index] = words[:, :num_words]
+    xgrammar.apply_token_bitmask_inplace(
+        logits, full.to(logits.device), vocab_size=width, indices=rows
+    )

@@ -7,6 +7,7 @@ model forward with logits only at sampling positions → Sampler → ModelRunner
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from asyncengine.model.loader import load_model_forward
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     INVALID_TOKEN_ID,
+    GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -102,7 +104,11 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None,
+    ) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -111,6 +117,8 @@ class ModelRunner:
         # Only the driver rank samples: the others skip the lm_head entirely.
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
         logits = self.model(batch.input_ids, batch.positions, batch.attn, keep)  # [S, V]
+        if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
+            scheduler_output.grammar_bitmask = grammar_bitmask()
         return self._sample(scheduler_output, batch, logits)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -7,11 +7,12 @@ import ctypes.util
 import gc
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.worker.parallel import TensorParallelGroup
 
@@ -71,8 +72,14 @@ class Worker:
             num_blocks * self.model_runner.kv_cache_bytes_per_block() / 2**20,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None,
+    ) -> ModelRunnerOutput:
+        """One step. `grammar_bitmask` (in-process only): waits for, and gives, the step's
+        bitmask when it is computed beside the forward pass."""
+        return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
 
     def check_health(self) -> None:
         return None

@@ -2,7 +2,7 @@
  * asyncengine's native CPU kernels: every function the library exports, and the dtype codes.
  *
  * The .c files beside this header (one per kernel family: attention.c, rotary_cache.c,
- * norms.c, activation.c, argmax.c, linear.c) are compiled together into one shared library on
+ * norms.c, activation.c, argmax.c, bitmask.c, linear.c) are compiled together into one shared library on
  * first use by kernels/cpu_native.py, with the system C compiler (`cc -O3 -march=native
  * -fopenmp`), and called through ctypes: no torch headers, about a second to build. Every .c
  * file includes this header, and the Python bindings (kernels/cpu_native.py) must match these
@@ -57,6 +57,10 @@ void ae_silu_mul(int dt, const void *gate, int64_t g_st, const void *up, int64_t
 /* argmax.c */
 void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
                     int num_threads);
+
+/* bitmask.c */
+void ae_apply_bitmask(int dt, void *x, int64_t x_st, const int64_t *rows, int64_t n_rows,
+                      const int32_t *mask, int64_t mask_st, int64_t n, int num_threads);
 
 /* linear.c (bf16 only, over oneDNN's packed weights) */
 int ae_linear_bf16_fast(void);

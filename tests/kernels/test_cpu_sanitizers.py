@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 # build's (a second sanitized library for no more coverage).
 TESTS = [
     "tests/kernels/test_argmax_cpu.py",
+    "tests/kernels/test_bitmask_cpu.py",
     "tests/kernels/test_linear_cpu.py",
     "tests/kernels/test_paged_attention_cpu.py",
     "tests/kernels/test_reshape_and_cache_cpu.py",
