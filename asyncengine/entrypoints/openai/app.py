@@ -230,12 +230,7 @@ def _json(content: object) -> Response:
 
 
 def _error_response(error: OpenAIError) -> Response:
-    return Response(
-        error.json(),
-        status_code=error.status,
-        media_type="application/json",
-        headers=error.headers,
-    )
+    return error.response()
 
 
 async def _openai_error(request: Request, exc: Exception) -> Response:

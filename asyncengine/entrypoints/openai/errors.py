@@ -11,6 +11,7 @@ import re
 from http import HTTPStatus
 
 import msgspec
+from starlette.responses import Response
 
 from asyncengine.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
 
@@ -64,6 +65,15 @@ class OpenAIError(Exception):
 
     def json(self) -> bytes:
         return msgspec.json.encode(self.body())
+
+    def response(self) -> Response:
+        """This error as an HTTP response (JSON body, its status and headers)."""
+        return Response(
+            self.json(),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:

@@ -82,14 +82,22 @@ class ChatServing:
         prompt = self._prompt(req, tools)
         check_prompt(state, prompt, params, "messages")
         run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools)
+        constrained = tools is not None and tools.choice != "auto"
         if req.stream:
-            return SSEResponse(run.stream)
+            # A constrained request the engine refuses before its first token (a schema that
+            # does not compile) gets its error status, not a stream; others start at once.
+
+            def early_error(exc: Exception) -> Response:
+                return error_for(constraint_error(exc, req, constrained)).response()
+
+            return SSEResponse(
+                run.stream,
+                early_error=early_error if params.structured_outputs is not None else None,
+            )
         try:
             body = await call_until_disconnect(request.receive, run.complete)
         except Exception as exc:
-            raise error_for(
-                constraint_error(exc, req, tools is not None and tools.choice != "auto")
-            ) from exc
+            raise error_for(constraint_error(exc, req, constrained)) from exc
         # None: the client went away and its request was aborted; nobody reads this.
         return Response(body or b"", media_type="application/json")
 
@@ -280,13 +288,21 @@ class _Run:
 
     async def stream(self, emit: Emit) -> None:
         continuous_usage = self.req.continuous_usage
-        usage = self._usage() if continuous_usage else None
-        # OpenAI opens every choice with its role, before any content.
-        for i in range(self.params.n):
-            role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-            await emit(self._chunk([role], usage))
+        opened = False
+
+        async def open_choices() -> None:
+            # OpenAI opens every choice with its role, before any content: sent with the
+            # first output, so that a request refused before it gets an error status instead.
+            nonlocal opened
+            opened = True
+            usage = self._usage() if continuous_usage else None
+            for i in range(self.params.n):
+                role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                await emit(self._chunk([role], usage))
 
         async def on_output(_: int, output: RequestOutput) -> None:
+            if not opened:
+                await open_choices()
             for c in output.outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
@@ -305,10 +321,16 @@ class _Run:
 
         try:
             await self._generate(on_output)
+            if not opened:
+                await open_choices()
             if self.req.include_usage:
                 await emit(self._chunk([], self._usage()))
-        except Exception as exc:  # the status is sent already: the error becomes an event
-            await emit(_event(error_for(exc).body()))
+        except Exception as exc:
+            if not opened and self.params.structured_outputs is not None:
+                raise  # nothing sent yet: the response is this error (SSEResponse.early_error)
+            if not opened:
+                await open_choices()
+            await emit(_event(error_for(exc).body()))  # the status is out: an event
         await emit(DONE)
 
 

@@ -68,7 +68,14 @@ class CompletionServing:
         prompts = self._prompts(req, params)
         run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival)
         if req.stream:
-            return SSEResponse(run.stream)
+            # A constrained request the engine refuses before its first token (a schema that
+            # does not compile) gets its error status, not a stream; others start at once.
+            if params.structured_outputs is None:
+                return SSEResponse(run.stream)
+            return SSEResponse(
+                run.stream,
+                early_error=lambda exc: error_for(constraint_error(exc, req, False)).response(),
+            )
         try:
             body = await call_until_disconnect(request.receive, run.complete)
         except Exception as exc:
@@ -212,8 +219,10 @@ class _Run:
 
     async def stream(self, emit: Emit) -> None:
         continuous_usage = self.req.continuous_usage
+        sent = False  # whether anything went out (then an error can only be an event)
 
         async def on_output(prompt_index: int, output: RequestOutput) -> None:
+            nonlocal sent
             for c in output.outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
@@ -225,6 +234,7 @@ class _Run:
                     choices=[choice],
                     usage=self._usage() if continuous_usage else None,
                 )
+                sent = True
                 await emit(_event(chunk))
 
         try:
@@ -238,8 +248,10 @@ class _Run:
                     usage=self._usage(),
                 )
                 await emit(_event(final))
-        except Exception as exc:  # the status is sent already: the error becomes an event
-            await emit(_event(error_for(exc).body()))
+        except Exception as exc:
+            if not sent and self.params.structured_outputs is not None:
+                raise  # nothing sent yet: the response is this error (SSEResponse.early_error)
+            await emit(_event(error_for(exc).body()))  # the status is out: an event
         await emit(DONE)
 
 

@@ -194,11 +194,15 @@ def test_a_named_function_streams_its_arguments(client: openai.OpenAI) -> None:
          "tool_choice", "required"),
     ],
 )  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
 def test_invalid_constraints_are_400_naming_them(
-    client: openai.OpenAI, kwargs: dict[str, Any], param: str, named: str
+    client: openai.OpenAI, kwargs: dict[str, Any], param: str, named: str, stream: bool
 ) -> None:
+    # Streamed too: a schema the engine cannot compile fails before the stream starts.
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **kwargs)
+        client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4, stream=stream, **kwargs
+        )
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == param and named in error["message"]
     # The server goes on.
