@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.cpu_threads import ThreadGovernor
 from asyncengine.executor.factory import executor_class
 from asyncengine.ipc.messages import CoreLoad, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from asyncengine.sched.kv_cache_manager import KVCacheManager
@@ -54,6 +55,7 @@ class EngineCore:
             model.vocab_size,
             StructuredOutputManager(model.model, model.vocab_size, model.eos_token_ids),
         )
+        self._governor = _thread_governor(self.config)
         # An executor that fills grammar bitmasks beside the forward pass gets them deferred.
         self.scheduler.defer_grammar_fill = self.executor.overlaps_grammar_fill
         logger.info("engine core ready in %.2f s", time.monotonic() - start)
@@ -74,6 +76,8 @@ class EngineCore:
         """Run one batch: 1. schedule, 2. execute, 3. fold the sampled tokens back in."""
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
+        if self._governor is not None:
+            self._governor.tick()  # compute threads: what other processes leave free
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             # Nothing can run until a grammar compiles: wait for it here, not in a spin.
@@ -120,3 +124,18 @@ class EngineCore:
         finally:
             if self.scheduler.structured_outputs is not None:
                 self.scheduler.structured_outputs.shutdown()
+
+
+def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
+    """A ThreadGovernor where the model runs in this process on the CPU with threads of its
+    own choosing (not with tensor parallelism, nor a user's `num_threads`)."""
+    parallel = config.parallel_config
+    if (
+        config.device_config.device != "cpu"
+        or parallel.tensor_parallel_size != 1
+        or parallel.num_threads is not None
+    ):
+        return None
+    import torch
+
+    return ThreadGovernor(torch.get_num_threads())
