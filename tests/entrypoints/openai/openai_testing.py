@@ -152,3 +152,35 @@ def serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
                 child.kill()
             proc.kill()
             proc.wait()
+
+
+class BackgroundStreams:
+    """`n` streamed /v1/completions requests, each in a thread; `started()` waits until every
+    one has received something, `join()` waits for their ends; `results[i]` is stream i's raw
+    body."""
+
+    def __init__(self, url: str, n: int, max_tokens: int) -> None:
+        self.results: dict[int, str] = {}
+        self._streaming = [threading.Event() for _ in range(n)]
+        self._threads = [
+            threading.Thread(target=self._stream, args=(url, i, max_tokens)) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _stream(self, url: str, i: int, max_tokens: int) -> None:
+        body = {"prompt": f"hi {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = []
+            for chunk in r.iter_text():
+                chunks.append(chunk)
+                self._streaming[i].set()
+            self.results[i] = "".join(chunks)
+
+    def started(self, timeout: float = 60) -> None:
+        for event in self._streaming:
+            assert event.wait(timeout), "a stream never started"
+
+    def join(self, timeout: float = 30) -> None:
+        for t in self._threads:
+            t.join(timeout)

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from openai_testing import parse_metrics, parse_sse
+from openai_testing import BackgroundStreams, parse_metrics, parse_sse
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -122,28 +121,13 @@ def test_two_api_servers_share_two_cores_and_drain_on_sigterm(
         assert health["status"] == "ok" and len(health["ranks"]) == 2
 
         # SIGTERM while streams run: each API server drains its own, then all exit 0.
-        results: dict[int, str] = {}
-        streaming = [threading.Event() for _ in range(4)]
-
-        def stream(i: int) -> None:
-            body = {"prompt": f"hi {i}", "max_tokens": 200, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                chunks = []
-                for chunk in r.iter_text():
-                    chunks.append(chunk)
-                    streaming[i].set()
-                results[i] = "".join(chunks)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for event in streaming:
-            assert event.wait(60)
+        streams = BackgroundStreams(url, 4, max_tokens=200)
+        streams.started()
         everything = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
-        for t in threads:
-            t.join(30)
+        streams.join()
+        results = streams.results
     _, alive = psutil.wait_procs(everything, timeout=10)
     assert not alive, f"left behind: {alive}"
     assert len(results) == 4

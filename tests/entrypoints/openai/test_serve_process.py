@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from openai_testing import parse_sse, serve
+from openai_testing import BackgroundStreams, parse_sse, serve
 
 from asyncengine.entrypoints import cli
 
@@ -51,26 +50,11 @@ def assert_exits_0_and_leaves_nothing(proc: subprocess.Popen[bytes], log: Path) 
 def test_sigterm_drains_streams_and_exits_0(chat_model: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with serve(chat_model, log) as (proc, url):
-        results: dict[int, str] = {}
-        streaming = [threading.Event() for _ in range(4)]
-
-        def stream(i: int) -> None:
-            body = {"prompt": "hello world", "max_tokens": 480, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                chunks = []
-                for chunk in r.iter_text():
-                    chunks.append(chunk)
-                    streaming[i].set()
-                results[i] = "".join(chunks)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for event in streaming:
-            assert event.wait(60)
+        streams = BackgroundStreams(url, 4, max_tokens=480)
+        streams.started()
         elapsed = assert_exits_0_and_leaves_nothing(proc, log)
-        for t in threads:
-            t.join(30)
+        streams.join()
+        results = streams.results
     # Each stream in flight was let finish (the default drain is 5 s): complete and well-formed.
     assert len(results) == 4
     for raw in results.values():
