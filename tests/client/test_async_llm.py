@@ -105,8 +105,11 @@ async def test_slow_delta_consumer_gets_merged_outputs(
         # Don't read while the request runs to the end: its outputs wait, merged into one.
         await wait_until_idle(engine)
         rest = [out async for out in stream]
-    assert len(rest) == 1 and rest[0].finished
-    tokens = first.outputs[0].token_ids + rest[0].outputs[0].token_ids
+    # Everything produced while nobody read comes as one merged output; if the consumer was
+    # scheduled late, even the first read may already hold the whole request.
+    outs = [first, *rest]
+    assert len(outs) <= 2 and outs[-1].finished
+    tokens = [t for o in outs for t in o.outputs[0].token_ids]
     assert tokens == reference[PROMPTS[2]]
 
 
