@@ -143,6 +143,12 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _float, _ptr, _i64,  # norm weight, eps, out, its row stride
         _int,  # threads
     )),
+    "ae_linear_dense_simd": (_int, ()),
+    "ae_linear_bf16_dense": (_int, (
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _i64, _i64,  # weight [N][K] row-major, N, K
+        _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
+    )),
 }  # fmt: skip
 
 
@@ -164,6 +170,9 @@ class NativeKernels:
     linear_add_rms_norm_bf16: Callable[..., None]
     # whether linear_bf16 runs on AVX512-BF16 dot products (else its portable fp32 loops)
     linear_bf16_fast: bool
+    linear_bf16_dense: Callable[..., int]
+    # whether linear_bf16_dense runs on AVX2 FMAs (else its scalar loops)
+    linear_dense_simd: bool
 
 
 def compiler() -> str | None:
@@ -243,6 +252,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_silu_bf16=_function(lib, "ae_linear_silu_bf16"),
         linear_add_rms_norm_bf16=_function(lib, "ae_linear_add_rms_norm_bf16"),
         linear_bf16_fast=bool(_function(lib, "ae_linear_bf16_fast")()),
+        linear_bf16_dense=_function(lib, "ae_linear_bf16_dense"),  # type: ignore[arg-type]
+        linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
     )
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.kernels.linear_cpu import NATIVE_BLOCK, LinearCpu, prepare_linear_cpu
+from asyncengine.kernels.linear_dense_cpu import dense_kernels, linear_bf16_dense
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,31 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class NativeDenseLinear(nn.Module):
+    """A bf16 linear layer on the native AVX2 kernel (kernels/linear_dense_cpu.py), for CPUs
+    where oneDNN has no bf16 path; the weight stays as given, plain row-major bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight  # [out, in], contiguous
+        self.bias = None if bias is None else bias.detach().contiguous()
+        lib = dense_kernels()
+        assert lib is not None, "NativeDenseLinear needs the AVX2 build of the native kernels"
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        rows = x.reshape(-1, self.in_features)
+        out = linear_bf16_dense(self._lib, rows, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, native dense"
+
+
 class DenseLinear(nn.Module):
     """`x @ weight.T + bias` over given tensors: `nn.Linear` without its initialisation."""
 
@@ -124,17 +150,20 @@ def packs(dtype: torch.dtype) -> bool:
 
 def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A linear layer over `weight` [out, in] and `bias`: packed where `pack_linear_layers`
-    would pack it, plain otherwise. Gives `F.linear(x, weight, bias)`'s numbers either way."""
+    would pack it, the native dense bf16 kernel where oneDNN lacks bf16 (AVX2 CPUs), plain
+    otherwise. Gives `F.linear(x, weight, bias)`'s numbers (up to the order of fp32 sums)."""
     dense = DenseLinear(weight, bias)
     if weight.device.type == "cpu" and packs(weight.dtype):
         return PackedLinear(dense)
+    if _dense_native(weight):
+        return NativeDenseLinear(weight.contiguous(), bias)
     return dense
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Swap `model`'s linear layers for packed ones when that is safe; the count swapped."""
     if dtype not in _PACKABLE or not _packing_works(dtype):
-        return 0
+        return _use_dense_native(model, dtype)
     linears = [
         (name, m)
         for name, m in model.named_modules()
@@ -143,6 +172,30 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     for name, module in linears:
         model.set_submodule(name, PackedLinear(module))
     logger.info("packed %d linear layers for oneDNN", len(linears))
+    return len(linears)
+
+
+def _dense_native(weight: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and dense_kernels() is not None
+    )
+
+
+def _use_dense_native(model: nn.Module, dtype: torch.dtype) -> int:
+    """Where oneDNN cannot pack bf16: swap bf16 `nn.Linear`s for NativeDenseLinear; the count."""
+    if dtype != torch.bfloat16 or dense_kernels() is None:
+        return 0
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and _dense_native(m.weight)
+    ]
+    for name, module in linears:
+        weight = module.weight.detach().contiguous()
+        model.set_submodule(name, NativeDenseLinear(weight, module.bias))
+    logger.info("%d bf16 linear layers run on the native AVX2 kernel", len(linears))
     return len(linears)
 
 
