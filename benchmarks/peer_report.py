@@ -1,14 +1,16 @@
 """Tables and ratios for `benchmarks/peers.py` (pure Python: unit-tested, no model runs).
 
-A result is one engine on one model: the merged JSON of its offline and async runs
-(benchmarks/peer_runner.py). The ratios compare asyncengine with the better of vLLM's
-settings for each figure ("better": higher throughput, lower latency, time and memory).
+A result is one engine on one model in one round: the merged JSON of its runs (offline and
+async from benchmarks/peer_runner.py, `batched` from the batched-bench shape, `serve` from the
+HTTP load generator). The ratios compare asyncengine with a peer for each target: the better
+of vLLM's settings ("better": higher throughput, lower latency, time and memory), or llama.cpp.
+A target is met only when it holds in every round, not just in the median of the rounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.workload import median
@@ -16,6 +18,7 @@ from benchmarks.workload import median
 CONCURRENCIES = (1, 16, 64)
 OURS = "asyncengine"
 VLLM_PREFIX = "vllm"
+LLAMACPP = "llama.cpp"
 
 
 @dataclass(slots=True)
@@ -57,15 +60,46 @@ class PeerResult:
         values = [v for v in self.data.get("rss_tree_mb_runs", []) if v]
         return max(values) if values else None
 
+    # ---- the HTTP server under the shared load generator (`serve` runs) ----
+
+    @property
+    def serve_ready_s(self) -> float | None:
+        value = self.data.get("serve", {}).get("ready_s")
+        return float(value) if value is not None else None
+
+    def serve_stream(self, concurrency: int) -> dict[str, Any] | None:
+        value = self.data.get("serve", {}).get(str(concurrency))
+        return value if isinstance(value, dict) else None
+
+    def serve_tok_s(self, concurrency: int) -> float | None:
+        s = self.serve_stream(concurrency)
+        return float(s["tok_s"]) if s and "tok_s" in s else None
+
+    def serve_latency_ms(self, concurrency: int, what: str, q: str = "p50") -> float | None:
+        s = self.serve_stream(concurrency)
+        if not s or what not in s:
+            return None
+        return float(s[what][q])
+
+    # ---- offline on llama-batched-bench's shape (`batched` runs) ----
+
+    def batched_tok_s(self, batch: int) -> float | None:
+        value = self.data.get("batched", {}).get(str(batch))
+        return float(value) if value is not None else None
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """asyncengine's figure over vLLM's better one must be `op` `bound`."""
+    """asyncengine's figure over the peer's must be `>=` (higher is better) or `<=` `bound`."""
 
     name: str
     figure: Callable[[PeerResult], float | None]
     higher_is_better: bool
-    bound: float  # the ratio asyncengine / vLLM must reach (>=) or stay under (<=)
+    bound: float  # the ratio asyncengine / peer must reach (>=) or stay under (<=)
+    peer: str = VLLM_PREFIX  # "vllm": the better of vLLM's settings; else an engine's name
+
+    def met(self, ratio: float) -> bool:
+        return ratio >= self.bound if self.higher_is_better else ratio <= self.bound
 
 
 TARGETS: tuple[Target, ...] = (
@@ -75,15 +109,35 @@ TARGETS: tuple[Target, ...] = (
     Target("one-stream inter-token p50", lambda r: r.latency_ms(1, "itl_ms"), False, 0.8),
     Target("time to ready", lambda r: r.ready_s, False, 0.1),
     Target("resident memory (tree)", lambda r: r.rss_mb, False, 0.33),
+    # Against llama.cpp: its server and ours under the same HTTP load generator, and offline
+    # on llama-batched-bench's shape.
+    Target(
+        "HTTP one-stream inter-token p50",
+        lambda r: r.serve_latency_ms(1, "itl_ms"),
+        False,
+        0.8,
+        LLAMACPP,
+    ),
+    Target("HTTP throughput at 64 streams", lambda r: r.serve_tok_s(64), True, 1.5, LLAMACPP),
+    Target(
+        "HTTP TTFT p50 at 64 streams",
+        lambda r: r.serve_latency_ms(64, "ttft_ms"),
+        False,
+        1.0,
+        LLAMACPP,
+    ),
+    Target("batched offline, 1 sequence", lambda r: r.batched_tok_s(1), True, 1.2, LLAMACPP),
+    Target("batched offline, 64 sequences", lambda r: r.batched_tok_s(64), True, 1.5, LLAMACPP),
 )
 
 
-def best_vllm(results: Sequence[PeerResult], model: str, target: Target) -> float | None:
-    """vLLM's better figure across its settings on `model` (None without a vLLM result)."""
+def peer_figure(results: Sequence[PeerResult], model: str, target: Target) -> float | None:
+    """The peer's figure for `target` on `model` (None without one): for vLLM, the better of
+    its settings."""
     values = [
         v
         for r in results
-        if r.model == model and r.engine.startswith(VLLM_PREFIX)
+        if r.model == model and _is_peer(r.engine, target.peer)
         for v in [target.figure(r)]
         if v is not None
     ]
@@ -92,28 +146,51 @@ def best_vllm(results: Sequence[PeerResult], model: str, target: Target) -> floa
     return max(values) if target.higher_is_better else min(values)
 
 
-def ratio_rows(results: Sequence[PeerResult]) -> list[list[str]]:
-    """One row per (model, target): ours, vLLM's better, the ratio, the bound, met or not."""
+def best_vllm(results: Sequence[PeerResult], model: str, target: Target) -> float | None:
+    """vLLM's better figure across its settings on `model` (None without a vLLM result)."""
+    return peer_figure(results, model, replace(target, peer=VLLM_PREFIX))
+
+
+def _is_peer(engine: str, peer: str) -> bool:
+    return engine.startswith(peer + "-") or engine == peer
+
+
+def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
+    """One row per (model, target): ours, the peer's, the ratio, the bound, met or not.
+
+    `rounds` holds each round's results. The figures shown are the medians over the rounds;
+    the ratio is each round's own (median, and the range when there are several rounds), and
+    a target is met only if every round met it.
+    """
     rows = []
-    for model in _models(results):
-        ours = next((r for r in results if r.model == model and r.engine == OURS), None)
-        if ours is None:
-            continue
+    models = _models([r for results in rounds for r in results])
+    for model in models:
         for t in TARGETS:
-            mine, theirs = t.figure(ours), best_vllm(results, model, t)
-            if mine is None or theirs is None or theirs == 0:
+            per_round = []
+            for results in rounds:
+                ours = next((r for r in results if r.model == model and r.engine == OURS), None)
+                mine = t.figure(ours) if ours is not None else None
+                theirs = peer_figure(results, model, t)
+                if mine is not None and theirs:
+                    per_round.append((mine, theirs, mine / theirs))
+            if not per_round:
                 continue
-            ratio = mine / theirs
-            met = ratio >= t.bound if t.higher_is_better else ratio <= t.bound
+            ratios = [ratio for _, _, ratio in per_round]
+            met = sum(t.met(ratio) for ratio in ratios)
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+            verdict = "met" if met == len(ratios) else "**not met**"
+            if len(ratios) > 1:
+                verdict += f" (in {met}/{len(ratios)} rounds)"
             rows.append(
                 [
                     model,
                     t.name,
-                    _num(mine),
-                    _num(theirs),
-                    f"{ratio:.2f}x",
+                    _num(median([m for m, _, _ in per_round])),
+                    "vLLM (better)" if t.peer == VLLM_PREFIX else t.peer,
+                    _num(median([p for _, p, _ in per_round])),
+                    f"{median(ratios):.2f}x{spread}",
                     f"{'>=' if t.higher_is_better else '<='} {t.bound}x",
-                    "met" if met else "**not met**",
+                    verdict,
                 ]
             )
     return rows
@@ -123,6 +200,8 @@ def figure_rows(results: Sequence[PeerResult]) -> list[list[str]]:
     """Every engine's raw figures, one row per (model, engine)."""
     rows = []
     for r in results:
+        if r.offline_tok_s is None and not any(r.stream(c) for c in CONCURRENCIES):
+            continue  # a peer measured only through its server or batched-bench (llama.cpp)
         rows.append(
             [
                 r.model,
@@ -139,6 +218,43 @@ def figure_rows(results: Sequence[PeerResult]) -> list[list[str]]:
     return rows
 
 
+def serve_rows(results: Sequence[PeerResult]) -> list[list[str]]:
+    """Every server's figures under the one HTTP load generator, one row per (model, engine)."""
+    return [
+        [
+            r.model,
+            r.engine,
+            _num(r.serve_ready_s, 1),
+            *(_num(r.serve_tok_s(c)) for c in CONCURRENCIES),
+            _pair(r.serve_latency_ms(1, "ttft_ms"), r.serve_latency_ms(64, "ttft_ms")),
+            _pair(r.serve_latency_ms(1, "itl_ms"), r.serve_latency_ms(1, "itl_ms", "p99")),
+            _pair(r.serve_latency_ms(64, "itl_ms"), r.serve_latency_ms(64, "itl_ms", "p99")),
+        ]
+        for r in results
+        if r.serve_stream(1) or r.serve_stream(64)
+    ]
+
+
+def batched_rows(results: Sequence[PeerResult]) -> list[list[str]]:
+    """Offline output tokens/s on llama-batched-bench's shape, one row per (model, engine)."""
+    return [
+        [r.model, r.engine, *(_num(r.batched_tok_s(b)) for b in CONCURRENCIES)]
+        for r in results
+        if r.data.get("batched")
+    ]
+
+
+SERVE_HEADER = [
+    "model",
+    "server",
+    "ready s",
+    *(f"{c} stream{'s' if c > 1 else ''} tok/s" for c in CONCURRENCIES),
+    "TTFT p50 ms (1 / 64)",
+    "ITL ms 1 stream (p50 / p99)",
+    "ITL ms 64 streams (p50 / p99)",
+]
+BATCHED_HEADER = ["model", "engine", *(f"{b} seq tok/s" for b in CONCURRENCIES)]
+
 FIGURE_HEADER = [
     "model",
     "engine",
@@ -150,7 +266,7 @@ FIGURE_HEADER = [
     "ITL ms 64 streams (p50 / p99)",
     "tree RSS MB",
 ]
-RATIO_HEADER = ["model", "figure", "asyncengine", "vLLM (better)", "ratio", "target", ""]
+RATIO_HEADER = ["model", "figure", "asyncengine", "peer", "peer's", "ratio", "target", ""]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -12,6 +12,9 @@ Python workload definition. Each engine gets the same workload (benchmarks/workl
   inter-token latency (its streamer), as it has no async engine.
 - async: for each concurrency C, C requests in flight (for C = 1: 4 requests one after
   another), every request streamed; output tokens/s, TTFT and inter-token latencies.
+- batched (asyncengine only): llama-batched-bench's shape, for the llama.cpp comparison: for
+  each batch size B in `--concurrency`, B distinct 80-token prompts generating 64 tokens each,
+  output tokens over the wall time (median of `--repeats`).
 
 Both modes report the resident memory of the whole process tree (engine-core and worker
 processes included), sampled at its largest during the runs.
@@ -36,7 +39,11 @@ import contextlib
 import itertools
 
 from benchmarks.workload import (
+    SEED,
     Workload,
+    make_workload,
+    median,
+    model_vocab,
     percentile,
     warmup_workload_for_model,
     workload_for_model,
@@ -118,6 +125,46 @@ def _asyncengine_offline(folder: Path, wl: Workload, repeats: int) -> dict[str, 
     seconds = _timed(run, repeats)
     llm.shutdown()
     return {"ready_s": ready, "offline_seconds": seconds}
+
+
+# llama-batched-bench's shape, which the llama.cpp comparison uses offline: B sequences, each an
+# 80-token prompt of its own, 64 output tokens; output tokens over the wall time of the batch
+# (its prefill included).
+BATCHED_PROMPT_LEN = 80
+BATCHED_GEN_LEN = 64
+
+
+def batched_prompts(folder: Path, batch: int) -> list[list[int]]:
+    """`batch` distinct prompts of BATCHED_PROMPT_LEN random ids of the model's vocabulary."""
+    vocab_size, specials = model_vocab(folder)
+    return make_workload(
+        vocab_size,
+        specials,
+        num_requests=batch,
+        min_prompt_len=BATCHED_PROMPT_LEN,
+        max_prompt_len=BATCHED_PROMPT_LEN,
+        seed=SEED + 2 + batch,
+    ).prompts
+
+
+def _asyncengine_batched(folder: Path, batches: list[int], repeats: int) -> dict[str, Any]:
+    from asyncengine import LLM, SamplingParams
+
+    _import_torch()
+    llm = LLM(str(folder), dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=BATCHED_GEN_LEN, ignore_eos=True)
+    llm.generate(_warmup(folder), params, use_tqdm=False)
+    tok_s: dict[str, float] = {}
+    for batch in batches:
+        prompts = batched_prompts(folder, batch)
+
+        def run(prompts: list[list[int]] = prompts) -> None:
+            llm.reset_prefix_cache()
+            llm.generate(prompts, params, use_tqdm=False)
+
+        tok_s[str(batch)] = batch * BATCHED_GEN_LEN / median(_timed(run, repeats))
+    llm.shutdown()
+    return {"batched": tok_s}
 
 
 # asyncengine's serving settings: shortest prompt first (aged by arrival; see
@@ -367,6 +414,7 @@ async def _measure_wave(
 RUNNERS: dict[tuple[str, str], Callable[..., dict[str, Any]]] = {
     ("asyncengine", "offline"): _asyncengine_offline,
     ("asyncengine", "async"): _asyncengine_async,
+    ("asyncengine", "batched"): _asyncengine_batched,
     ("vllm", "offline"): _vllm_offline,
     ("vllm", "async"): _vllm_async,
     ("transformers", "offline"): _transformers_offline,
@@ -376,7 +424,7 @@ RUNNERS: dict[tuple[str, str], Callable[..., dict[str, Any]]] = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", required=True, choices=("asyncengine", "vllm", "transformers"))
-    parser.add_argument("--mode", required=True, choices=("offline", "async"))
+    parser.add_argument("--mode", required=True, choices=("offline", "async", "batched"))
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,16,64")
@@ -388,7 +436,9 @@ def main() -> int:
     folder = Path(args.model_dir)
     wl = workload_for_model(folder)
     sampler = _RssSampler()
-    if args.mode == "offline":
+    if args.mode == "batched":
+        record = runner(folder, [int(c) for c in args.concurrency.split(",")], args.repeats)
+    elif args.mode == "offline":
         record = runner(folder, wl, args.repeats)
     else:
         record = runner(folder, wl, [int(c) for c in args.concurrency.split(",")])

@@ -10,15 +10,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.peer_report import (
+    BATCHED_HEADER,
     FIGURE_HEADER,
     RATIO_HEADER,
+    SERVE_HEADER,
     TARGETS,
+    PeerResult,
+    batched_rows,
     best_vllm,
     figure_rows,
     markdown_table,
     merge_rounds,
     merge_runs,
     ratio_rows,
+    serve_rows,
 )
 from benchmarks.peer_runner import _stream_stats
 from benchmarks.peers import round_order
@@ -82,22 +87,71 @@ def test_best_vllm_takes_the_better_setting_per_figure() -> None:
 
 
 def test_ratio_rows_say_which_targets_are_met() -> None:
-    rows = {row[1]: row for row in ratio_rows(_results())}
-    assert rows["offline throughput"][4] == "0.80x" and "not met" in rows["offline throughput"][6]
-    assert rows["throughput at 64 streams"][4] == "1.43x"
-    assert rows["throughput at 64 streams"][6] == "met"
-    assert rows["TTFT p50 at 64 streams"][4] == "0.40x"
-    assert rows["TTFT p50 at 64 streams"][6] == "met"
-    assert rows["one-stream inter-token p50"][4] == "1.50x"
-    assert rows["time to ready"][4] == "0.10x" and rows["time to ready"][6] == "met"
-    assert rows["resident memory (tree)"][6] == "met"  # 950 / 3100 = 0.31
+    rows = {row[1]: row for row in ratio_rows([_results()])}
+    assert rows["offline throughput"][5] == "0.80x" and "not met" in rows["offline throughput"][7]
+    assert rows["offline throughput"][3] == "vLLM (better)"
+    assert rows["throughput at 64 streams"][5] == "1.43x"
+    assert rows["throughput at 64 streams"][7] == "met"
+    assert rows["TTFT p50 at 64 streams"][5] == "0.40x"
+    assert rows["TTFT p50 at 64 streams"][7] == "met"
+    assert rows["one-stream inter-token p50"][5] == "1.50x"
+    assert rows["time to ready"][5] == "0.10x" and rows["time to ready"][7] == "met"
+    assert rows["resident memory (tree)"][7] == "met"  # 950 / 3100 = 0.31
+    assert not any(name.startswith(("HTTP", "batched")) for name in rows)  # no llama.cpp here
+
+
+def _llama_round(our_itl: float, our_64: float) -> list[PeerResult]:
+    """One round of asyncengine and llama.cpp, through their servers and batched-bench."""
+    ours = PeerResult(
+        "asyncengine",
+        "b",
+        {"serve": {"ready_s": 3.0, "1": _stream(140, 40, our_itl), "64": _stream(our_64, 600, 50)},
+         "batched": {"1": 140.0, "16": 880.0, "64": 1150.0}},
+    )  # fmt: skip
+    llama = PeerResult(
+        "llama.cpp",
+        "b",
+        {"serve": {"ready_s": 1.0, "1": _stream(150, 50, 6.0), "64": _stream(500, 3000, 80)},
+         "batched": {"1": 113.0, "16": 490.0, "64": 640.0}},
+    )  # fmt: skip
+    return [ours, llama]
+
+
+def test_llama_cpp_targets_must_hold_in_every_round() -> None:
+    rounds = [_llama_round(4.5, 1200), _llama_round(5.0, 1150), _llama_round(5.4, 700)]
+    rows = {row[1]: row for row in ratio_rows(rounds)}
+    itl = rows["HTTP one-stream inter-token p50"]
+    assert itl[3] == "llama.cpp" and itl[2] == "5.00" and itl[4] == "6.00"
+    assert itl[5] == "0.83x (0.75-0.90)"
+    assert itl[7] == "**not met** (in 1/3 rounds)"  # 4.5 / 6 and only that round
+    tput = rows["HTTP throughput at 64 streams"]
+    assert tput[7] == "**not met** (in 2/3 rounds)"  # the 700 tok/s round is 1.4x
+    assert rows["HTTP TTFT p50 at 64 streams"][7] == "met (in 3/3 rounds)"
+    assert rows["batched offline, 1 sequence"][5].startswith("1.24x")
+    assert rows["batched offline, 64 sequences"][7] == "met (in 3/3 rounds)"
+    assert not any(name == "offline throughput" for name in rows)  # no vLLM in these rounds
+
+
+def test_serve_and_batched_tables_list_only_engines_that_ran_them() -> None:
+    results = [*_llama_round(5.0, 1200), *_results()]
+    serve = serve_rows(results)
+    assert [row[1] for row in serve] == ["asyncengine", "llama.cpp"]
+    assert serve[0][2:6] == ["3.0", "140", "", "1,200"]
+    assert serve[1][6] == "50.0 / 3,000.0"
+    assert [row[1] for row in batched_rows(results)] == ["asyncengine", "llama.cpp"]
+    assert batched_rows(results)[1][2:] == ["113", "490", "640"]
+    # llama.cpp has no in-process figures: it is not in the engines' table
+    assert [row[1] for row in figure_rows(results)] == ["asyncengine", "vllm-1t", "vllm-2t"]
+    for header, rows in ((SERVE_HEADER, serve), (BATCHED_HEADER, batched_rows(results))):
+        lines = markdown_table(header, rows).splitlines()
+        assert all(line.count("|") == len(header) + 1 for line in lines)
 
 
 def test_tables_are_well_formed_markdown() -> None:
     results = _results()
     for header, rows in (
         (FIGURE_HEADER, figure_rows(results)),
-        (RATIO_HEADER, ratio_rows(results)),
+        (RATIO_HEADER, ratio_rows([results])),
     ):
         lines = markdown_table(header, rows).splitlines()
         assert len(lines) == 2 + len(rows)
