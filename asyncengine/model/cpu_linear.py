@@ -105,15 +105,25 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-class NativeDenseLinear(nn.Module):
-    """A bf16 linear layer on the native AVX2 kernel (kernels/linear_dense_cpu.py), for CPUs
-    where oneDNN has no bf16 path; the weight stays as given, plain row-major bf16."""
+class DenseLinear(nn.Module):
+    """`x @ weight.T + bias` over given tensors: `nn.Linear` without its initialisation."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight  # [out, in], contiguous
-        self.bias = None if bias is None else bias.detach().contiguous()
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class NativeDenseLinear(DenseLinear):
+    """A bf16 linear layer on the native AVX2 kernel (kernels/linear_dense_cpu.py), for CPUs
+    where oneDNN has no bf16 path; the weight stays as given, plain row-major bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, None if bias is None else bias.detach().contiguous())
         lib = dense_kernels()
         assert lib is not None, "NativeDenseLinear needs the AVX2 build of the native kernels"
         self._lib = lib
@@ -128,19 +138,6 @@ class NativeDenseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, native dense"
-
-
-class DenseLinear(nn.Module):
-    """`x @ weight.T + bias` over given tensors: `nn.Linear` without its initialisation."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 def packs(dtype: torch.dtype) -> bool:

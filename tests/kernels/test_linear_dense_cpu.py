@@ -77,7 +77,7 @@ def test_layers_route_bf16_to_the_kernel_where_onednn_cannot_pack(
     # fp32 inputs (a caller upcasting) still get F.linear's numbers
     assert torch.allclose(layer(x.float()), F.linear(x.float(), w.float(), b.float()))
     # fp32 weights keep the plain layer
-    assert isinstance(cpu_linear.linear_layer(w.float(), None), cpu_linear.DenseLinear)
+    assert type(cpu_linear.linear_layer(w.float(), None)) is cpu_linear.DenseLinear
 
     model = nn.Sequential(nn.Linear(40, 24), nn.SiLU(), nn.Linear(24, 8, bias=False))
     model = model.to(torch.bfloat16)
