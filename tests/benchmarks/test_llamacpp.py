@@ -124,10 +124,7 @@ def test_llama_cpp_greedy_tokens_equal_ours_in_fp32(
     prompts = [[1, 2, 3], [504, 3491, 30, 2587, 314, 253], list(range(100, 180, 3))]
     llm = LLM(str(tiny_llama_with_smollm_tokenizer), dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ours = [
-        o.outputs[0].token_ids
-        for o in llm.generate(prompts, params, use_tqdm=False)
-    ]
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
     port = free_port()
     command = llamacpp.server_command(source, tiny_gguf, port, parallel=1, threads=2)
