@@ -78,7 +78,6 @@ def bench_peers(session: nox.Session) -> None:
             "matplotlib",
             "psutil",
             "aiohttp",
-            "sentencepiece==0.2.1",
         ],
     }
     pythons = {}
