@@ -12,7 +12,10 @@
 - `server_command()`: the `llama-server` command line for benchmarks/servers.py.
 
 The converter imports torch, numpy, transformers, PyYAML (the vendored gguf-py) and, for Llama
-models, sentencepiece (the `test` extra has them).
+models, sentencepiece. sentencepiece goes into a folder of its own (`.bench/llamacpp/pydeps`,
+on the converter's PYTHONPATH only), not into the environment: loaded beside torch in a test
+process it crashed that process at exit (a segfault in its static destructors, after every
+test had passed).
 """
 
 from __future__ import annotations
@@ -199,7 +202,11 @@ def to_gguf(llama: LlamaCpp, model_dir: Path, out_dir: Path, outtype: str = "bf1
     fd, name = tempfile.mkstemp(dir=out_dir, prefix=f".{out.name}.", suffix=".partial")
     os.close(fd)
     partial = Path(name)
-    pythonpath = [str(llama.gguf_py), *filter(None, [os.environ.get("PYTHONPATH")])]
+    pythonpath = [
+        str(llama.gguf_py),
+        str(_converter_deps(llama)),
+        *filter(None, [os.environ.get("PYTHONPATH")]),
+    ]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(pythonpath),
@@ -220,6 +227,24 @@ def to_gguf(llama: LlamaCpp, model_dir: Path, out_dir: Path, outtype: str = "bf1
     finally:
         partial.unlink(missing_ok=True)
     return out
+
+
+CONVERTER_DEPS = ("sentencepiece==0.2.1",)
+
+
+def _converter_deps(llama: LlamaCpp) -> Path:
+    """A folder holding what the converter imports beyond this environment (installed once)."""
+    folder = llama.source.parent.parent.parent / "pydeps"
+    marker = folder / ".installed"
+    if marker.is_file() and marker.read_text() == " ".join(CONVERTER_DEPS):
+        return folder
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
+         "--target", str(folder), *CONVERTER_DEPS],
+        check=True,
+    )  # fmt: skip
+    marker.write_text(" ".join(CONVERTER_DEPS))
+    return folder
 
 
 def _up_to_date(out: Path, model_dir: Path) -> bool:
