@@ -203,7 +203,7 @@ def _asyncengine_async(folder: Path, wl: Workload, concurrencies: list[int]) -> 
             await _one_wave(one, _warmup(folder), 8)
             for c in concurrencies:
                 await engine.reset_prefix_cache()
-                results[str(c)] = await _measure_wave(one, wl, c)
+                results[str(c)] = await _measure_wave(one, workload_for_model(folder, wave=c), c)
 
     anyio.run(main)
     return results
@@ -265,7 +265,7 @@ def _vllm_async(folder: Path, wl: Workload, concurrencies: list[int]) -> dict[st
             await _one_wave(one, _warmup(folder), 8)
             for c in concurrencies:
                 await engine.reset_prefix_cache()
-                results[str(c)] = await _measure_wave(one, wl, c)
+                results[str(c)] = await _measure_wave(one, workload_for_model(folder, wave=c), c)
         finally:
             engine.shutdown()
 

@@ -298,13 +298,14 @@ def _serve(
             folder, port, served_model_name=name, python=pythons[engine],
             extra_args=_serving_args(),
         )  # fmt: skip
-    prompts = workload_for_model(folder).prompts
     log = BENCH / f"serve-{name}-{engine.replace(' ', '_')}.log"
     base_url = f"http://127.0.0.1:{port}"
     record: dict[str, Any] = {}
     with running_server(command, base_url, env=_env(engine, pythons[engine]), log_path=log) as srv:
         record["ready_s"] = srv.ready_s
         for c in CONCURRENCIES:
+            # Each wave on prompts of its own: none is in a prefix cache from an earlier wave.
+            prompts = workload_for_model(folder, wave=c).prompts
             record[str(c)] = asyncio.run(run_load(base_url, prompts, c, model=name))
     return {"serve": record}
 

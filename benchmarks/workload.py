@@ -79,6 +79,23 @@ def make_workload(
     return Workload(prompts=prompts, output_len=output_len)
 
 
+def fresh_tokens(wl: Workload, vocab_size: int, special_ids: Iterable[int], salt: int) -> Workload:
+    """`wl` with the same prompt lengths and other random tokens (a private RNG seeded with
+    `salt`, 0 gives `wl` itself).
+
+    The streaming benchmarks run several waves (1, 16, 64 streams) against one server; each
+    wave gets its own prompts, so no wave finds an earlier one's prompts in a prefix cache
+    (llama-server keeps each slot's last prompt, vLLM and asyncengine keep freed blocks).
+    """
+    if salt == 0:
+        return wl
+    specials = set(special_ids)
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    rng = random.Random(f"{SEED}-wave-{salt}")
+    prompts = [[allowed[rng.randrange(len(allowed))] for _ in p] for p in wl.prompts]
+    return Workload(prompts=prompts, output_len=wl.output_len)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0 <= q <= 100) with linear interpolation, as numpy's default."""
     if not values:
@@ -235,10 +252,12 @@ def model_vocab(model_dir: str | Path) -> tuple[int, set[int]]:
     return int(config["vocab_size"]), specials
 
 
-def workload_for_model(model_dir: str | Path) -> Workload:
-    """The benchmark workload over the vocabulary of the model in `model_dir`."""
+def workload_for_model(model_dir: str | Path, wave: int = 0) -> Workload:
+    """The benchmark workload over the vocabulary of the model in `model_dir`; a nonzero
+    `wave` (the streaming runs pass their concurrency) gives the same lengths with tokens of
+    that wave's own (`fresh_tokens`)."""
     vocab_size, specials = model_vocab(model_dir)
-    return make_workload(vocab_size, specials)
+    return fresh_tokens(make_workload(vocab_size, specials), vocab_size, specials, wave)
 
 
 def warmup_workload_for_model(model_dir: str | Path, num_requests: int = 4) -> Workload:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.workload import (
     BenchResult,
+    fresh_tokens,
     make_workload,
     match_fraction,
     mean_common_prefix,
@@ -56,6 +57,19 @@ def test_workload_uses_its_own_rng() -> None:
 
 def test_other_seed_gives_other_prompts() -> None:
     assert make_workload(32000, seed=1).prompts != make_workload(32000, seed=0).prompts
+
+
+def test_each_wave_gets_prompts_of_its_own() -> None:
+    base = make_workload(32000, SPECIALS)
+    assert fresh_tokens(base, 32000, SPECIALS, 0) is base
+    waves = {c: fresh_tokens(base, 32000, SPECIALS, c) for c in (1, 16, 64)}
+    for c, wave in waves.items():
+        assert [len(p) for p in wave.prompts] == [len(p) for p in base.prompts]
+        assert wave.output_len == base.output_len
+        assert {t for p in wave.prompts for t in p}.isdisjoint(SPECIALS)
+        assert fresh_tokens(base, 32000, SPECIALS, c).prompts == wave.prompts  # deterministic
+    firsts = [tuple(w.prompts[0][:8]) for w in (base, *waves.values())]
+    assert len(set(firsts)) == len(firsts)  # no two share a prefix
 
 
 def test_workload_rejects_impossible_settings() -> None:
