@@ -143,6 +143,17 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _float, _ptr, _i64,  # norm weight, eps, out, its row stride
         _int,  # threads
     )),
+    "ae_decode_layers_bf16": (_int, (
+        _ptr, _i64, _i64, _i64,  # layers [L][AE_LAYER_FIELDS] (int64), L, tokens, hidden
+        _i64, _i64, _i64, _i64,  # H_q, H_kv, D, intermediate
+        _ptr, _ptr, _ptr,  # residual (in place), scratch, the last MLP output
+        _ptr, _ptr, _i64, _ptr,  # cos, sin, their row stride, slot_mapping (int64)
+        _i64, _i64,  # cache blocks, block size
+        _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # q_start, q_lens, seq_lens, block_table, its
+        # row stride, sequences (as ae_paged_attention)
+        _float, _float, _float, _int,  # eps, head-norm eps, attention scale, threads
+    )),
+    "ae_decode_layers_scratch": (_i64, (_i64, _i64, _i64, _i64, _i64, _i64)),
     "ae_linear_dense_simd": (_int, ()),
     "ae_linear_bf16_dense": (_int, (
         _ptr, _i64, _i64,  # x, its row stride, rows
@@ -173,6 +184,8 @@ class NativeKernels:
     linear_bf16_dense: Callable[..., int]
     # whether linear_bf16_dense runs on AVX2 FMAs (else its scalar loops)
     linear_dense_simd: bool
+    decode_layers_bf16: Callable[..., int]
+    decode_layers_scratch: Callable[..., int]
 
 
 def compiler() -> str | None:
@@ -254,6 +267,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_bf16_fast=bool(_function(lib, "ae_linear_bf16_fast")()),
         linear_bf16_dense=_function(lib, "ae_linear_bf16_dense"),  # type: ignore[arg-type]
         linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
+        decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
+        decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
     )
 
 

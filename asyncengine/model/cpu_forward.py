@@ -45,6 +45,7 @@ from asyncengine.kernels.rotary_cpu import rotary_cpu
 from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import PackedLinear
+from asyncengine.model.decode_layers import NativeDecodeLayers
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaDecoderLayer",
@@ -108,6 +109,9 @@ class CpuForward:
         self._lm_head = lm_head
         self._head_dim = head_dim
         self._layers = layers
+        # The layers in one native call, where every projection is on the dense kernel
+        # (decode_layers.py); None: the Python loop below. Set it to None to compare.
+        self.native_layers = NativeDecodeLayers.build(layers, head_dim)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> CpuForward:
@@ -142,15 +146,35 @@ class CpuForward:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
     ) -> torch.Tensor:  # [S, V]
-        num_tokens, d = input_ids.shape[0], self._head_dim
         residual = F.embedding(input_ids, self._embed_weight)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
-        backend, plan, slots = attn.backend, attn.plan, attn.slot_mapping
-        if backend.name != "cpu":  # the cache layout its rotary kernel writes
+        if attn.backend.name != "cpu":  # the cache layout its rotary kernel writes
             raise ValueError(
-                f"CpuForward runs on the 'cpu' attention backend, not {backend.name!r}"
+                f"CpuForward runs on the 'cpu' attention backend, not {attn.backend.name!r}"
             )
+        native = self.native_layers
+        mlp_done = None if native is None else native(residual, cos, sin, attn)
+        mlp = (
+            (None, mlp_done)
+            if mlp_done is not None
+            else self._layers_loop(residual, cos, sin, attn)
+        )
+        mlp_out: torch.Tensor = mlp[1] if mlp[0] is None else mlp[0](mlp[1])
+        # The last residual add and the final norm, on the sampled rows only.
+        rows_out = mlp_out.index_select(0, logits_indices)
+        rows_res = residual.index_select(0, logits_indices)
+        hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
+        logits: torch.Tensor = self._lm_head(hidden)
+        return logits
+
+    def _layers_loop(
+        self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> _Projection:
+        """The decoder layers, a kernel call at a time: `residual` updated in place, and the
+        last layer's MLP output (or its down projection and input) returned."""
+        num_tokens, d = residual.shape[0], self._head_dim
+        backend, plan, slots = attn.backend, attn.plan, attn.slot_mapping
         mlp: _Projection | None = None  # the last layer's MLP output, or its down projection
         for i, layer in enumerate(self._layers):
             if mlp is None:
@@ -169,13 +193,7 @@ class CpuForward:
             x = _add_rms_norm(o_proj, residual, layer.post_norm, layer.eps)
             mlp = _mlp(layer, x)
         assert mlp is not None
-        mlp_out: torch.Tensor = mlp[1] if mlp[0] is None else mlp[0](mlp[1])
-        # The last residual add and the final norm, on the sampled rows only.
-        rows_out = mlp_out.index_select(0, logits_indices)
-        rows_res = residual.index_select(0, logits_indices)
-        hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
-        logits: torch.Tensor = self._lm_head(hidden)
-        return logits
+        return mlp
 
 
 # Prefill steps run the MLP in row chunks of about this many tokens: its [T, 2 * I]

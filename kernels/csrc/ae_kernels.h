@@ -69,6 +69,26 @@ int ae_linear_bf16_dense(const void *x, int64_t x_st, int64_t M, const void *w, 
                          int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
 
 /* linear.c (bf16 only, over oneDNN's packed weights) */
+/* decode_layers.c: the lean forward's decoder layers in one call. `layers` is [num_layers]
+ * rows of AE_LAYER_FIELDS addresses (0 for absent: a joint q/k/v weight leaves K_W and V_W 0,
+ * a joint gate/up weight leaves UP_W 0; biases and Qwen3's head norms may be 0). */
+enum ae_layer_field {
+    AE_LAYER_IN_NORM, AE_LAYER_POST_NORM, AE_LAYER_Q_W, AE_LAYER_K_W, AE_LAYER_V_W,
+    AE_LAYER_Q_B, AE_LAYER_K_B, AE_LAYER_V_B, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_GATE_W,
+    AE_LAYER_UP_W, AE_LAYER_GATE_B, AE_LAYER_UP_B, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B,
+    AE_LAYER_Q_NORM, AE_LAYER_K_NORM, AE_LAYER_KV_CACHE, AE_LAYER_FIELDS
+};
+int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, int64_t hidden,
+                          int64_t hq, int64_t hkv, int64_t d, int64_t inter, void *residual,
+                          void *scratch, void *mlp_out, const void *cos, const void *sin,
+                          int64_t cs_st, const int64_t *slot_mapping, int64_t num_blocks,
+                          int64_t block_size, const int64_t *q_start, const int32_t *q_lens,
+                          const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
+                          int64_t num_seqs, float eps, float head_eps, float scale,
+                          int num_threads);
+int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                                 int64_t inter);
+
 int ae_linear_bf16_fast(void);
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads);

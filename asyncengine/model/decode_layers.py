@@ -1,0 +1,183 @@
+"""The lean CPU forward's decoder layers in one native call (`kernels/csrc/decode_layers.c`).
+
+On CPUs without AVX512-BF16 the bf16 linear layers run on the dense native kernel
+(`NativeDenseLinear`), and a decode step is nine kernel calls a layer. Made from Python, each
+call costs more interpreter, ctypes and allocation time than a one-row norm or activation
+takes (about 8 ms of a 25 ms SmolLM2 step on 2 Zen 3 cores). `NativeDecodeLayers` runs the
+same kernels in the same order from C, on buffers allocated once per step, so its numbers are
+`CpuForward`'s Python loop's to the bit.
+
+It applies to a model whose every projection is a `NativeDenseLinear` (bf16) with one eps,
+head-norm eps and attention scale across its layers, and to a step with no prefill chunk long
+enough for SDPA and fewer than MAX_TOKENS tokens; `CpuForward` runs its Python loop otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.model.attention import AttentionMetadata
+from asyncengine.model.cpu_linear import NativeDenseLinear
+
+if TYPE_CHECKING:
+    from asyncengine.model.cpu_forward import LeanLayer
+
+# ae_kernels.h's enum ae_layer_field, in its order (tests/model/test_decode_layers.py checks).
+LAYER_FIELDS = (
+    "in_norm", "post_norm", "q_w", "k_w", "v_w", "q_b", "k_b", "v_b", "o_w", "o_b",
+    "gate_w", "up_w", "gate_b", "up_b", "down_w", "down_b", "q_norm", "k_norm", "kv_cache",
+)  # fmt: skip
+_FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
+# Longer steps (prefills) run the Python loop, which takes the MLP in row chunks; there the
+# kernels' own time dwarfs the calls'.
+MAX_TOKENS = 512
+
+
+class NativeDecodeLayers:
+    """A model's decoder layers as one native call per step; see the module docstring."""
+
+    def __init__(
+        self,
+        lib: NativeKernels,
+        table: torch.Tensor,  # [L, len(LAYER_FIELDS)] int64 addresses, kv_cache filled per step
+        keep: list[torch.Tensor],  # the tensors `table` points into
+        dims: tuple[int, int, int, int, int],  # hidden, H_q, H_kv, D, intermediate
+        eps: float,
+        head_eps: float,
+        scale: float,
+    ) -> None:
+        self._lib = lib
+        self._table = table
+        self._keep = keep
+        self._dims = dims
+        self._eps, self._head_eps, self._scale = eps, head_eps, scale
+
+    @classmethod
+    def build(cls, layers: list[LeanLayer], head_dim: int) -> NativeDecodeLayers | None:
+        """For `CpuForward`'s LeanLayers; None where the model is not one this runs."""
+        lib = load_native()
+        if lib is None or not lib.linear_dense_simd or not layers:
+            return None
+        first = layers[0]
+        if any(
+            (layer.eps, layer.head_eps, layer.scale) != (first.eps, first.head_eps, first.scale)
+            for layer in layers
+        ):
+            return None
+        rows: list[list[int]] = []
+        keep: list[torch.Tensor] = []
+        dims: set[tuple[int, int, int, int, int]] = set()
+        for layer in layers:
+            row = _layer_row(layer, head_dim, keep)
+            if row is None:
+                return None
+            fields, layer_dims = row
+            rows.append(fields)
+            dims.add(layer_dims)
+        if len(dims) != 1:
+            return None
+        table = torch.tensor(rows, dtype=torch.int64)
+        return cls(lib, table, keep, dims.pop(), first.eps, first.head_eps, first.scale)
+
+    def __call__(
+        self,
+        residual: torch.Tensor,  # [T, hidden] bf16, updated in place
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The last layer's MLP output [T, hidden] (not yet added to `residual`), after the
+        layers ran on `residual`; None, with nothing done, where this step is not one it
+        runs (the caller then runs its Python loop)."""
+        num_tokens = residual.shape[0]
+        plan, caches = attn.plan, attn.kv_caches
+        if not 0 < num_tokens < MAX_TOKENS or getattr(plan, "prefills", True):
+            return None
+        hidden, hq, hkv, d, inter = self._dims
+        if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
+            return None
+        if len(caches) != self._table.shape[0] or any(
+            c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches
+        ):
+            return None
+        self._table[:, _FIELD["kv_cache"]] = torch.tensor([c.data_ptr() for c in caches])
+        c, s = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
+        slots = attn.slot_mapping.to(torch.int64).contiguous()
+        lib = self._lib
+        scratch = torch.empty(
+            lib.decode_layers_scratch(num_tokens, hidden, hq, hkv, d, inter), dtype=torch.bfloat16
+        )
+        mlp_out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+        _, _, num_blocks, block_size, _ = caches[0].shape
+        status = lib.decode_layers_bf16(
+            self._table.data_ptr(), self._table.shape[0], num_tokens, hidden, hq, hkv, d, inter,
+            residual.data_ptr(), scratch.data_ptr(), mlp_out.data_ptr(),
+            c.data_ptr(), s.data_ptr(), c.stride(0), slots.data_ptr(), num_blocks, block_size,
+            plan.q_start.data_ptr(), plan.q_lens.data_ptr(), plan.seq_lens.data_ptr(),
+            plan.block_table.data_ptr(), plan.block_table.stride(0), plan.q_start.numel(),
+            self._eps, self._head_eps, self._scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"decode layers: no memory for a {num_tokens}-token step's scratch")
+        return mlp_out
+
+
+def _layer_row(
+    layer: LeanLayer, head_dim: int, keep: list[torch.Tensor]
+) -> tuple[list[int], tuple[int, int, int, int, int]] | None:
+    """One layer's row of addresses and its dims; None where a part is not one it runs."""
+    fields = [0] * len(LAYER_FIELDS)
+
+    def put(name: str, tensor: torch.Tensor | None) -> bool:
+        if tensor is None:
+            return True
+        if tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
+            return False
+        keep.append(tensor)
+        fields[_FIELD[name]] = tensor.data_ptr()
+        return True
+
+    def put_linear(prefix: str, module: object, in_features: int) -> int | None:
+        """The layer's weight and bias; its output width, None where it is not dense native
+        or does not read `in_features` values."""
+        if type(module) is not NativeDenseLinear or module.in_features != in_features:
+            return None
+        if not (put(f"{prefix}_w", module.weight) and put(f"{prefix}_b", module.bias)):
+            return None
+        return int(module.out_features)
+
+    if not (put("in_norm", layer.input_norm) and put("post_norm", layer.post_norm)):
+        return None
+    if not (put("q_norm", layer.q_norm) and put("k_norm", layer.k_norm)):
+        return None
+    hidden = int(layer.input_norm.shape[0])
+    hkv = int(layer.num_kv_heads)
+    if layer.qkv is not None:
+        width = put_linear("q", layer.qkv, hidden)
+        if width is None:
+            return None
+        hq = width // head_dim - 2 * hkv
+    else:
+        widths = [put_linear(n, getattr(layer, f"{n}_proj"), hidden) for n in ("q", "k", "v")]
+        if None in widths or widths[1] != hkv * head_dim or widths[2] != hkv * head_dim:
+            return None
+        hq = int(widths[0]) // head_dim  # type: ignore[arg-type]
+    if hq <= 0 or put_linear("o", layer.o_proj, hq * head_dim) != hidden:
+        return None
+    if layer.gate_up is not None:
+        width = put_linear("gate", layer.gate_up, hidden)
+        if width is None:
+            return None
+        inter = width // 2
+    else:
+        gate = put_linear("gate", layer.gate_proj, hidden)
+        up = put_linear("up", layer.up_proj, hidden)
+        if gate is None or gate != up:
+            return None
+        inter = gate
+    if put_linear("down", layer.down_proj, inter) != hidden or hq % hkv:
+        return None
+    return fields, (hidden, hq, hkv, head_dim, inter)

@@ -1,0 +1,107 @@
+/*
+ * The lean CPU forward's decoder layers in one call (ae_decode_layers_bf16), for bf16 models
+ * whose linear layers run on the dense kernel (linear_dense.c) and whose step has no long
+ * prefill chunk.
+ *
+ * Why: a SmolLM2 decode step is 30 layers of nine kernel calls. From Python each call costs
+ * 15-40 us of interpreter, ctypes and tensor allocation on top of its work (measured on 2
+ * Zen 3 cores: a 576-wide RMSNorm takes 15 us through rms_norm_cpu against about 1 us of
+ * arithmetic), about 8 ms of a 25 ms step. Here the same kernels run in the same order on the
+ * same buffers, so the numbers are the Python loop's to the bit
+ * (tests/model/test_decode_layers.py), without the interpreter between them. Back-to-back
+ * parallel regions also keep OpenMP's threads inside their spin (GOMP_SPINCOUNT) instead of
+ * letting them fall asleep between two calls.
+ *
+ * Per layer: x = norm(residual) (the first layer) or residual += mlp_out, x = norm(residual);
+ * qkv = x @ [Wq; Wk; Wv] (one joint weight or three products into one buffer); rotary on q and
+ * k (after Qwen3's per-head norms) with the cache write of k and v; paged attention; residual +=
+ * attn @ Wo, x = norm(residual); act = silu(x @ Wg) * (x @ Wu); mlp_out = act @ Wd. The last
+ * layer's mlp_out is left to the caller, which adds it and takes the final norm on the rows it
+ * samples.
+ */
+
+#include <stdint.h>
+
+#include "ae_kernels.h"
+
+/* One product into `out` (row stride ldo); nonzero where the kernel had no memory. */
+static int linear(const void *x, int64_t ldx, int64_t T, int64_t w, int64_t b, int64_t N,
+                  int64_t K, void *out, int64_t ldo, int threads) {
+    return ae_linear_bf16_dense(x, ldx, T, (const void *)w, N, K, (const void *)b, out, ldo,
+                                threads);
+}
+
+int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, int64_t hidden,
+                          int64_t hq, int64_t hkv, int64_t d, int64_t inter, void *residual_,
+                          void *scratch_, void *mlp_out_, const void *cos, const void *sin,
+                          int64_t cs_st, const int64_t *slot_mapping, int64_t num_blocks,
+                          int64_t block_size, const int64_t *q_start, const int32_t *q_lens,
+                          const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
+                          int64_t num_seqs, float eps, float head_eps, float scale,
+                          int threads) {
+    uint16_t *residual = (uint16_t *)residual_, *mlp_out = (uint16_t *)mlp_out_;
+    const int64_t qkv_w = (hq + 2 * hkv) * d, q_w = hq * d, kv_w = hkv * d;
+    /* The scratch, in order: x [T, hidden], qkv [T, qkv_w], attn [T, q_w], o [T, hidden],
+     * gate_up [T, 2 * inter], act [T, inter] (ae_decode_layers_scratch gives its size). */
+    uint16_t *x = (uint16_t *)scratch_;
+    uint16_t *qkv = x + T * hidden;
+    uint16_t *attn = qkv + T * qkv_w;
+    uint16_t *o = attn + T * q_w;
+    uint16_t *gate_up = o + T * hidden;
+    uint16_t *act = gate_up + T * 2 * inter;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *p = layers + l * AE_LAYER_FIELDS;
+        const void *in_norm = (const void *)p[AE_LAYER_IN_NORM];
+        if (l == 0)
+            ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps, threads);
+        else
+            ae_add_rms_norm(AE_BF16, mlp_out, hidden, residual, hidden, x, hidden, in_norm, T,
+                            hidden, eps, threads);
+        if (p[AE_LAYER_K_W] == 0) { /* q, k and v side by side in one weight */
+            if (linear(x, hidden, T, p[AE_LAYER_Q_W], p[AE_LAYER_Q_B], qkv_w, hidden, qkv, qkv_w,
+                       threads))
+                return -1;
+        } else if (linear(x, hidden, T, p[AE_LAYER_Q_W], p[AE_LAYER_Q_B], q_w, hidden, qkv,
+                          qkv_w, threads) ||
+                   linear(x, hidden, T, p[AE_LAYER_K_W], p[AE_LAYER_K_B], kv_w, hidden,
+                          qkv + q_w, qkv_w, threads) ||
+                   linear(x, hidden, T, p[AE_LAYER_V_W], p[AE_LAYER_V_B], kv_w, hidden,
+                          qkv + q_w + kv_w, qkv_w, threads)) {
+            return -1;
+        }
+        void *cache = (void *)p[AE_LAYER_KV_CACHE];
+        ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
+                  (const void *)p[AE_LAYER_Q_NORM], (const void *)p[AE_LAYER_K_NORM], head_eps,
+                  qkv + q_w + kv_w, qkv_w, d, cache, num_blocks, block_size, slot_mapping,
+                  threads);
+        ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv, num_blocks,
+                           block_size, d, hq / hkv, q_start, q_lens, seq_lens, block_table,
+                           bt_stride, num_seqs, scale, threads);
+        if (linear(attn, q_w, T, p[AE_LAYER_O_W], p[AE_LAYER_O_B], hidden, q_w, o, hidden,
+                   threads))
+            return -1;
+        ae_add_rms_norm(AE_BF16, o, hidden, residual, hidden, x, hidden,
+                        (const void *)p[AE_LAYER_POST_NORM], T, hidden, eps, threads);
+        if (p[AE_LAYER_UP_W] == 0) { /* gate and up side by side in one weight */
+            if (linear(x, hidden, T, p[AE_LAYER_GATE_W], p[AE_LAYER_GATE_B], 2 * inter, hidden,
+                       gate_up, 2 * inter, threads))
+                return -1;
+        } else if (linear(x, hidden, T, p[AE_LAYER_GATE_W], p[AE_LAYER_GATE_B], inter, hidden,
+                          gate_up, 2 * inter, threads) ||
+                   linear(x, hidden, T, p[AE_LAYER_UP_W], p[AE_LAYER_UP_B], inter, hidden,
+                          gate_up + inter, 2 * inter, threads)) {
+            return -1;
+        }
+        ae_silu_mul(AE_BF16, gate_up, 2 * inter, gate_up + inter, 2 * inter, act, inter, T,
+                    inter, threads);
+        if (linear(act, inter, T, p[AE_LAYER_DOWN_W], p[AE_LAYER_DOWN_B], hidden, inter,
+                   mlp_out, hidden, threads))
+            return -1;
+    }
+    return 0;
+}
+
+int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                                 int64_t inter) {
+    return T * (2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter);
+}

@@ -1,0 +1,144 @@
+"""The decoder layers in one native call (`model/decode_layers.py`, `csrc/decode_layers.c`).
+
+Its contract: `CpuForward`'s Python loop's numbers to the bit (the same kernels in the same
+order), on the models and steps it takes, and the Python loop everywhere else.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.kernels.cpu_native import CSRC
+from asyncengine.kernels.linear_dense_cpu import dense_kernels
+from asyncengine.model import cpu_forward, decode_layers
+from asyncengine.testing.models import TINY_ARCHITECTURES
+from asyncengine.testing.reference import engine_tokens_and_logprobs
+
+needs_dense = pytest.mark.skipif(
+    dense_kernels() is None, reason="the dense bf16 kernel needs AVX2 and FMA"
+)
+
+
+def test_layer_fields_are_the_headers() -> None:
+    header = (CSRC / "ae_kernels.h").read_text()
+    enum = re.search(r"enum ae_layer_field \{(.*?)\};", header, re.S)
+    assert enum is not None
+    names = [n.strip() for n in enum.group(1).split(",") if n.strip()]
+    assert names[-1] == "AE_LAYER_FIELDS"
+    assert [n.removeprefix("AE_LAYER_").lower() for n in names[:-1]] == list(
+        decode_layers.LAYER_FIELDS
+    )
+
+
+class _Spy:
+    """Counts the steps the native layers ran and the ones they handed back."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ran = self.declined = 0
+        self.token_counts: list[int] = []
+        real = decode_layers.NativeDecodeLayers.__call__
+
+        def call(layers: Any, residual: torch.Tensor, *args: Any) -> torch.Tensor | None:
+            out = real(layers, residual, *args)
+            if out is None:
+                self.declined += 1
+            else:
+                self.ran += 1
+                self.token_counts.append(residual.shape[0])
+            return out
+
+        monkeypatch.setattr(decode_layers.NativeDecodeLayers, "__call__", call)
+
+
+def _prompts() -> list[list[int]]:
+    shared = list(range(20, 60))
+    return [[7], [*shared, 61, 62, 63], list(range(100, 131)), [*shared, 90], [300, 301, 5]]
+
+
+@needs_dense
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_native_layers_give_the_python_loops_numbers(
+    arch: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens and logprobs, bf16, decodes beside prefill chunks and prefix-cache hits."""
+    model_dir = tiny_model_factory(arch)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    run = lambda: engine_tokens_and_logprobs(  # noqa: E731
+        model_dir, _prompts(), params, passes=2,
+        dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32,
+    )  # fmt: skip
+    spy = _Spy(monkeypatch)
+    native = run()
+    assert spy.ran > 10 and spy.declined == 0
+    assert min(spy.token_counts) <= len(_prompts()) < max(spy.token_counts)  # decodes, mixed
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
+    assert run() == native
+
+
+@needs_dense
+@pytest.mark.timeout(300)
+def test_long_prefill_steps_run_the_python_loop(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of MAX_TOKENS tokens or more, or with a prefill chunk for SDPA, is handed back,
+    and the decodes after it run natively; same numbers as the Python loop throughout."""
+    model_dir = tiny_model_factory("qwen2")
+    monkeypatch.setattr(decode_layers, "MAX_TOKENS", 40)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [list(range(10, 70)), [5, 6, 7]]  # 63 tokens in the first step
+    spy = _Spy(monkeypatch)
+    native = engine_tokens_and_logprobs(model_dir, prompts, params, dtype="bfloat16")
+    assert spy.declined >= 1 and spy.ran >= 3
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
+    assert engine_tokens_and_logprobs(model_dir, prompts, params, dtype="bfloat16") == native
+
+
+@needs_dense
+@pytest.mark.timeout(120)
+def test_it_takes_only_models_on_the_dense_kernel(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """fp32 weights, or layers that disagree on their norm's eps: the Python loop."""
+    model_dir = tiny_model_factory("llama")
+    for dtype, expect in (("bfloat16", True), ("float32", False)):
+        llm = LLM(str(model_dir), dtype=dtype)
+        try:
+            forward: Any = llm.engine.engine_core.executor.worker.model_runner.model
+            assert isinstance(forward, cpu_forward.CpuForward)
+            assert (forward.native_layers is not None) == expect
+            if expect:
+                layers = forward._layers
+                layers[1].eps *= 2
+                assert decode_layers.NativeDecodeLayers.build(layers, forward._head_dim) is None
+                layers[1].eps /= 2
+                assert decode_layers.NativeDecodeLayers.build(layers, forward._head_dim)
+        finally:
+            llm.shutdown()
+
+
+@needs_dense
+@pytest.mark.timeout(300)
+def test_a_new_kv_cache_after_sleep_is_the_one_written(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """The caches' addresses are read each step: after sleep (which frees the KV cache) and
+    wake-up (a new one), the same prompts give the same tokens."""
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16")
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        before = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        core: Any = llm.engine.engine_core  # in-process: its sleep is the worker's
+        core.sleep(1)
+        core.wake_up()
+        after = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        assert after == before
+    finally:
+        llm.shutdown()
