@@ -19,17 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS, decode_layers_bf16
+from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear
 
 if TYPE_CHECKING:
     from asyncengine.model.cpu_forward import LeanLayer
 
-# ae_kernels.h's enum ae_layer_field, in its order (tests/model/test_decode_layers.py checks).
-LAYER_FIELDS = (
-    "in_norm", "post_norm", "q_w", "k_w", "v_w", "q_b", "k_b", "v_b", "o_w", "o_b",
-    "gate_w", "up_w", "gate_b", "up_b", "down_w", "down_b", "q_norm", "k_norm", "kv_cache",
-)  # fmt: skip
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop, which takes the MLP in row chunks; there the
 # kernels' own time dwarfs the calls'.
@@ -94,9 +91,10 @@ class NativeDecodeLayers:
         runs (the caller then runs its Python loop)."""
         num_tokens = residual.shape[0]
         plan, caches = attn.plan, attn.kv_caches
-        if not 0 < num_tokens < MAX_TOKENS or getattr(plan, "prefills", True):
+        if not isinstance(plan, CpuAttentionPlan) or plan.prefills:
             return None
-        hidden, hq, hkv, d, inter = self._dims
+        if not 0 < num_tokens < MAX_TOKENS:
+            return None
         if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
             return None
         if len(caches) != self._table.shape[0] or any(
@@ -104,25 +102,12 @@ class NativeDecodeLayers:
         ):
             return None
         self._table[:, _FIELD["kv_cache"]] = torch.tensor([c.data_ptr() for c in caches])
-        c, s = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
-        slots = attn.slot_mapping.to(torch.int64).contiguous()
-        lib = self._lib
-        scratch = torch.empty(
-            lib.decode_layers_scratch(num_tokens, hidden, hq, hkv, d, inter), dtype=torch.bfloat16
-        )
-        mlp_out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
-        _, _, num_blocks, block_size, _ = caches[0].shape
-        status = lib.decode_layers_bf16(
-            self._table.data_ptr(), self._table.shape[0], num_tokens, hidden, hq, hkv, d, inter,
-            residual.data_ptr(), scratch.data_ptr(), mlp_out.data_ptr(),
-            c.data_ptr(), s.data_ptr(), c.stride(0), slots.data_ptr(), num_blocks, block_size,
-            plan.q_start.data_ptr(), plan.q_lens.data_ptr(), plan.seq_lens.data_ptr(),
-            plan.block_table.data_ptr(), plan.block_table.stride(0), plan.q_start.numel(),
-            self._eps, self._head_eps, self._scale, torch.get_num_threads(),
+        return decode_layers_bf16(
+            self._lib, self._table, self._dims, residual,
+            cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous(),
+            attn.slot_mapping.to(torch.int64).contiguous(), tuple(caches[0].shape), plan,
+            self._eps, self._head_eps, self._scale,
         )  # fmt: skip
-        if status != 0:
-            raise MemoryError(f"decode layers: no memory for a {num_tokens}-token step's scratch")
-        return mlp_out
 
 
 def _layer_row(

@@ -16,6 +16,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import CSRC
+from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS
 from asyncengine.kernels.linear_dense_cpu import dense_kernels
 from asyncengine.model import cpu_forward, decode_layers
 from asyncengine.testing.models import TINY_ARCHITECTURES
@@ -32,9 +33,7 @@ def test_layer_fields_are_the_headers() -> None:
     assert enum is not None
     names = [n.strip() for n in enum.group(1).split(",") if n.strip()]
     assert names[-1] == "AE_LAYER_FIELDS"
-    assert [n.removeprefix("AE_LAYER_").lower() for n in names[:-1]] == list(
-        decode_layers.LAYER_FIELDS
-    )
+    assert [n.removeprefix("AE_LAYER_").lower() for n in names[:-1]] == list(LAYER_FIELDS)
 
 
 class _Spy:
