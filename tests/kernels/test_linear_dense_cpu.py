@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.kernels import linear_dense_cpu
 from asyncengine.kernels.cpu_native import load_native
 from asyncengine.kernels.linear_dense_cpu import dense_kernels, linear_bf16_dense
 from asyncengine.model import cpu_linear
@@ -51,14 +52,30 @@ def test_products_match_fp32_on_awkward_shapes(rows: int, n: int, k: int) -> Non
     _check(linear_bf16_dense(lib, x, w, bias), x, w, bias)
 
 
-def test_a_large_panel_of_rows_and_columns() -> None:
-    # more rows than one L2 panel holds (the panel loop), and a width past the thread split
+def test_a_large_panel_of_rows_and_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # many panels of rows (the panel loop), and a width past the thread split, in the kernel
+    monkeypatch.setattr(linear_dense_cpu, "GEMM_MIN_ROWS", 1 << 30)
     lib = load_native()
     assert lib is not None
     g = torch.Generator().manual_seed(7)
     w = torch.randn(777, 1536, generator=g).bfloat16()
     x = torch.randn(300, 1536, generator=g).bfloat16()
     _check(linear_bf16_dense(lib, x, w, None), x, w, None)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_long_products_run_the_fp32_gemm_in_weight_slices(
+    with_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = load_native()
+    assert lib is not None
+    g = torch.Generator().manual_seed(5)
+    k = 96
+    w = torch.randn(50, k, generator=g).bfloat16()
+    b = torch.randn(50, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(2 * linear_dense_cpu.GEMM_MIN_ROWS, k + 1, generator=g).bfloat16()[:, :k]
+    monkeypatch.setattr(linear_dense_cpu, "GEMM_SLICE_BYTES", 4 * k * 7)  # 8 slices, the last short
+    _check(linear_bf16_dense(lib, x, w, b), x, w, b)
 
 
 def test_layers_route_bf16_to_the_kernel_where_onednn_cannot_pack(
