@@ -8,7 +8,8 @@ linear layers and the lm_head, in layer order, at each row count: the weights co
 as they do in a step, not from cache. For each row count it alternates the two paths
 (`cpu_linear.NATIVE_MAX_ROWS` set to 0 for oneDNN) `--repeats` times in this one process, as
 the machine's memory bandwidth drifts between processes, and prints the median of each and
-their ratio. Without the native kernel's fast path (no AVX512-BF16) both rows are oneDNN.
+their ratio. Without the native kernel's fast path (no AVX512-BF16) both columns time the same
+layers (on AVX2 machines, the dense kernel of `NativeDenseLinear`, up to its fp32-GEMM switch).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def main() -> int:
     llm = LLM(str(model_dir(args.model)), dtype="bfloat16")
     try:
         executor: Any = llm.engine.engine_core.executor  # the in-process (uniproc) executor
-        forward = executor.worker.model_runner.cpu_forward
-        if forward is None:
+        forward = executor.worker.model_runner.model
+        if not hasattr(forward, "linear_layers"):
             print("this model does not run the lean CPU forward: nothing to time")
             return 1
         layers = forward.linear_layers()
