@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from asyncengine.config import ModelConfig
-from asyncengine.model.cpu_forward import CpuForward, LeanLayer, joint_weights
+from asyncengine.model.cpu_forward import CpuForward, joint_weights
 from asyncengine.model.cpu_linear import linear_layer, packs
+from asyncengine.model.lean_layer import LeanLayer
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import PackedLinear
 from asyncengine.model.decode_layers import NativeDecodeLayers
+from asyncengine.model.lean_layer import LeanLayer
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaDecoderLayer",
@@ -55,30 +55,6 @@ _ARCHITECTURES = {
 }
 _NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 _SILUS = frozenset({"SiLUActivation", "SiLU"})
-
-
-@dataclass(slots=True)
-class LeanLayer:
-    """One decoder layer's weights, as the lean forward runs them."""
-
-    input_norm: torch.Tensor  # [hidden] weights
-    post_norm: torch.Tensor
-    eps: float
-    # q, k and v from one joint GEMM (split by column), or three.
-    qkv: nn.Module | None
-    q_proj: nn.Module | None
-    k_proj: nn.Module | None
-    v_proj: nn.Module | None
-    q_norm: torch.Tensor | None  # Qwen3's per-head norms, [D]
-    k_norm: torch.Tensor | None
-    head_eps: float
-    num_kv_heads: int
-    o_proj: nn.Module
-    gate_up: nn.Module | None
-    gate_proj: nn.Module | None
-    up_proj: nn.Module | None
-    down_proj: nn.Module
-    scale: float
 
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

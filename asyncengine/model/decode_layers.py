@@ -14,8 +14,6 @@ enough for SDPA and fewer than MAX_TOKENS tokens; `CpuForward` runs its Python l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from asyncengine.kernels.cpu_native import NativeKernels, load_native
@@ -24,9 +22,7 @@ from asyncengine.kernels.linear_dense_cpu import GEMM_MIN_ROWS
 from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear
-
-if TYPE_CHECKING:
-    from asyncengine.model.cpu_forward import LeanLayer
+from asyncengine.model.lean_layer import LeanLayer
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop: their products go to torch's fp32 GEMM
