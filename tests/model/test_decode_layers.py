@@ -18,13 +18,20 @@ from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import CSRC
 from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS
 from asyncengine.kernels.linear_dense_cpu import dense_kernels
-from asyncengine.model import cpu_forward, decode_layers
+from asyncengine.model import cpu_forward, cpu_linear, decode_layers
 from asyncengine.testing.models import TINY_ARCHITECTURES
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
 needs_dense = pytest.mark.skipif(
-    dense_kernels() is None, reason="the dense bf16 kernel needs AVX2 and FMA"
+    dense_kernels() is None, reason="the native kernels were built without AVX2 and FMA"
 )
+
+
+@pytest.fixture(autouse=True)
+def _dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 layers on the dense kernel, as on a CPU without AVX512-BF16, also where oneDNN
+    could pack them (the engines here run in-process, so the patch reaches their loader)."""
+    monkeypatch.setattr(cpu_linear, "_packing_works", lambda dtype: False)
 
 
 def test_layer_fields_are_the_headers() -> None:
