@@ -67,10 +67,7 @@ def make_workload(
         raise ValueError(
             f"prompt lengths must satisfy 0 < min <= max, got {min_prompt_len}..{max_prompt_len}"
         )
-    specials = set(special_ids)
-    allowed = [t for t in range(vocab_size) if t not in specials]
-    if not allowed:
-        raise ValueError(f"no usable token ids in a vocabulary of {vocab_size}")
+    allowed = _allowed_ids(vocab_size, special_ids)
     rng = random.Random(seed)
     prompts = []
     for _ in range(num_requests):
@@ -89,11 +86,19 @@ def fresh_tokens(wl: Workload, vocab_size: int, special_ids: Iterable[int], salt
     """
     if salt == 0:
         return wl
-    specials = set(special_ids)
-    allowed = [t for t in range(vocab_size) if t not in specials]
+    allowed = _allowed_ids(vocab_size, special_ids)
     rng = random.Random(f"{SEED}-wave-{salt}")
     prompts = [[allowed[rng.randrange(len(allowed))] for _ in p] for p in wl.prompts]
     return Workload(prompts=prompts, output_len=wl.output_len)
+
+
+def _allowed_ids(vocab_size: int, special_ids: Iterable[int]) -> list[int]:
+    """The ids a random prompt may use: every id below vocab_size but the special ones."""
+    specials = set(special_ids)
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    if not allowed:
+        raise ValueError(f"no usable token ids in a vocabulary of {vocab_size}")
+    return allowed
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -32,14 +32,14 @@ def decode_layers_bf16(
     scale: float,
 ) -> torch.Tensor:  # [T, hidden]: the last layer's MLP output, not yet added to residual
     """Run the L layers (see csrc/decode_layers.c) on `residual`."""
+    if plan.prefills:
+        raise ValueError("decode_layers_bf16: a step with prefill chunks for SDPA")
     hidden, hq, hkv, d, inter = dims
     num_tokens = residual.shape[0]
     scratch = torch.empty(
         lib.decode_layers_scratch(num_tokens, hidden, hq, hkv, d, inter), dtype=torch.bfloat16
     )
     mlp_out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
-    if plan.prefills:
-        raise ValueError("decode_layers_bf16: a step with prefill chunks for SDPA")
     q_start, block_table = plan.q_start, plan.block_table
     status = lib.decode_layers_bf16(
         table.data_ptr(), table.shape[0], num_tokens, hidden, hq, hkv, d, inter,

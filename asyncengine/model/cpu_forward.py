@@ -130,13 +130,10 @@ class CpuForward:
                 f"CpuForward runs on the 'cpu' attention backend, not {attn.backend.name!r}"
             )
         native = self.native_layers
-        mlp_done = None if native is None else native(residual, cos, sin, attn)
-        mlp = (
-            (None, mlp_done)
-            if mlp_done is not None
-            else self._layers_loop(residual, cos, sin, attn)
-        )
-        mlp_out: torch.Tensor = mlp[1] if mlp[0] is None else mlp[0](mlp[1])
+        mlp_out = None if native is None else native(residual, cos, sin, attn)
+        if mlp_out is None:
+            down, x = self._layers_loop(residual, cos, sin, attn)
+            mlp_out = x if down is None else down(x)
         # The last residual add and the final norm, on the sampled rows only.
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)
