@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels import linear_dense_cpu
 from asyncengine.kernels.cpu_native import load_native
 from asyncengine.kernels.linear_dense_cpu import dense_kernels, linear_bf16_dense
 from asyncengine.model import cpu_linear
@@ -38,8 +37,12 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     _assert_rounds_to(out, _reference(x, w, b), magnitude)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64, 131])
-@pytest.mark.parametrize(("n", "k"), [(96, 256), (100, 70), (7, 9), (1001, 333), (5, 1)])
+# 1, 4 and 8 rows run the dot-product kernel (linear_dense.c), every other count the
+# register-blocked GEMM (gemm_dense.c): its 6-row blocks with 1-5 left over, 16-column panels
+# with a short last one split between the threads, K past one 256-step slice and not a multiple
+# of 8.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 131])
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (100, 70), (7, 9), (1001, 333), (5, 1), (48, 600)])
 def test_products_match_fp32_on_awkward_shapes(rows: int, n: int, k: int) -> None:
     lib = load_native()
     assert lib is not None
@@ -52,30 +55,43 @@ def test_products_match_fp32_on_awkward_shapes(rows: int, n: int, k: int) -> Non
     _check(linear_bf16_dense(lib, x, w, bias), x, w, bias)
 
 
-def test_a_large_panel_of_rows_and_columns(monkeypatch: pytest.MonkeyPatch) -> None:
-    # many panels of rows (the panel loop), and a width past the thread split, in the kernel
-    monkeypatch.setattr(linear_dense_cpu, "GEMM_MIN_ROWS", 1 << 30)
+@pytest.mark.parametrize("rows", [8, 300])
+def test_a_large_panel_of_rows_and_columns(rows: int) -> None:
+    # many row panels (the dot kernel at 8 rows), a width past the thread split (the GEMM at
+    # 300 rows: one chunk, as K = 1536 allows 336)
     lib = load_native()
     assert lib is not None
     g = torch.Generator().manual_seed(7)
     w = torch.randn(777, 1536, generator=g).bfloat16()
-    x = torch.randn(300, 1536, generator=g).bfloat16()
-    _check(linear_bf16_dense(lib, x, w, None), x, w, None)
+    b = torch.randn(777, generator=g).bfloat16()
+    x = torch.randn(rows, 1536, generator=g).bfloat16()
+    _check(linear_bf16_dense(lib, x, w, b), x, w, b)
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_long_products_run_the_fp32_gemm_in_weight_slices(
-    with_bias: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_long_prefills_take_the_rows_in_chunks() -> None:
+    # K = 4096: a chunk is 126 rows (2 MB of fp32 x), so 400 rows are four chunks, the last short
     lib = load_native()
     assert lib is not None
     g = torch.Generator().manual_seed(5)
-    k = 96
-    w = torch.randn(50, k, generator=g).bfloat16()
-    b = torch.randn(50, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(2 * linear_dense_cpu.GEMM_MIN_ROWS, k + 1, generator=g).bfloat16()[:, :k]
-    monkeypatch.setattr(linear_dense_cpu, "GEMM_SLICE_BYTES", 4 * k * 7)  # 8 slices, the last short
-    _check(linear_bf16_dense(lib, x, w, b), x, w, b)
+    w = torch.randn(40, 4096, generator=g).bfloat16()
+    x = torch.randn(400, 4096, generator=g).bfloat16()
+    _check(linear_bf16_dense(lib, x, w, None), x, w, None)
+
+
+def test_specials_round_as_torch_rounds() -> None:
+    # NaN stays NaN and infinities stay infinite through the GEMM's vector rounding
+    lib = load_native()
+    assert lib is not None
+    w = torch.ones(16, 8).bfloat16()
+    x = torch.ones(6, 8).bfloat16()
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, 0] = -float("inf")
+    x[4, 0] = 3e38  # the sum overflows fp32
+    out = linear_bf16_dense(lib, x, w, None).float()
+    expected = F.linear(x.float(), w.float()).bfloat16().float()
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
 
 
 def test_layers_route_bf16_to_the_kernel_where_onednn_cannot_pack(
