@@ -78,7 +78,10 @@ class SSEResponse(Response):
                     started = True
 
         async def send_started(message: Message) -> None:
-            await start()
+            # Once started, straight through: the lock's checkpoint cost every event a trip
+            # through the event loop (per token of every stream).
+            if not started:
+                await start()
             await send(message)
 
         async def start_after_wait() -> None:
