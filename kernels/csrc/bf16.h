@@ -21,4 +21,12 @@ static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
 }
 
+/* Inside an OpenMP parallel region: x's M rows (row stride ldx) widened into xf (M x K,
+ * dense), the rows split between the team; the loop's barrier ends it, every row widened. */
+static inline void widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xf) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * ldx + k]);
+}
+
 #endif

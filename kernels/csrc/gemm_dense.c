@@ -33,9 +33,7 @@
 #else
 #define AE_GEMM_SIMD 0
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <omp.h> /* (built with -fopenmp, as every kernel here) */
 
 #include "ae_kernels.h"
 #include "bf16.h"
@@ -226,15 +224,8 @@ int ae_gemm_bf16_dense(const void *x_, int64_t ldx, int64_t M, const void *w_, i
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int t = 0, T = 1;
-#endif
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * ldx + k]);
-        /* (the loop's barrier: every row is widened before any thread reads it) */
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        widen_rows(x, ldx, M, K, xf); /* every row, before any thread reads one */
         float *panel = packs + t * K * NR, *acc = accs + t * chunk * NR;
         const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {

@@ -190,10 +190,7 @@ int ae_linear_bf16_dense(const void *x_, int64_t ldx, int64_t M, const void *w_,
 #else
         int t = 0, T = 1;
 #endif
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * ldx + k]);
-        /* (the loop's barrier: every row is widened before any thread reads it) */
+        widen_rows(x, ldx, M, K, xf); /* every row, before any thread reads one */
         int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
         int64_t n0 = g0 * group, n1 = g1 * group < N ? g1 * group : N;
         if (n0 < n1) columns(xf, M, w, K, bias, out, ldo, n0, n1);
