@@ -25,7 +25,8 @@ from asyncengine.model.lean_layer import LeanLayer
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop: there the kernels' own time dwarfs the calls'
-# (at 128 tokens a SmolLM2 step's products take ~50 ms against ~8 ms of calls at one token).
+# (a 128-token SmolLM2 step is ~27 GFLOP of products, ~0.2 s on 2 Zen 3 cores, against the
+# ~8 ms of Python calls that one native call saves).
 MAX_TOKENS = 128
 
 

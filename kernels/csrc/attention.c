@@ -39,10 +39,8 @@
 /* 16 values of dtype dt at p, as two 8-lane fp32 halves. */
 static ALWAYS_INLINE void load16_halves(const char *p, int dt, __m256 *lo, __m256 *hi) {
     if (dt == AE_BF16) {
-        const __m128i a = _mm_loadu_si128((const __m128i *)p);
-        const __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
-        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
-        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+        *lo = load8_bf16((const uint16_t *)p);
+        *hi = load8_bf16((const uint16_t *)p + 8);
     } else if (dt == AE_F32) {
         *lo = _mm256_loadu_ps((const float *)p);
         *hi = _mm256_loadu_ps((const float *)p + 8);

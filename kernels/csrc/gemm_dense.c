@@ -46,23 +46,6 @@
 #define CHUNK_BYTES (2 << 20)
 
 #if AE_GEMM_SIMD
-static inline __m256 widen8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* 8 fp32 lanes rounded to bf16 as f32_to_bf16 rounds one. */
-static inline __m128i round8_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-    const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
-    r = _mm256_srli_epi32(r, 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 /* r[i] <- column i of the 8 x 8 block whose rows are r[0..7] */
 static inline void transpose8(__m256 r[8]) {
     __m256 t[8], s[8];
@@ -92,7 +75,7 @@ static void pack_panel(const uint16_t *w, int64_t K, int J, float *panel) {
             __m256 r[8];
             for (int i = 0; i < 8; i++) {
                 int j = half * 8 + i;
-                r[i] = j < J ? widen8(w + j * K + k) : _mm256_setzero_ps();
+                r[i] = j < J ? load8_bf16(w + j * K + k) : _mm256_setzero_ps();
             }
             transpose8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * NR + half * 8, r[i]);
@@ -103,9 +86,10 @@ static void pack_panel(const uint16_t *w, int64_t K, int J, float *panel) {
 }
 
 /* acc[r][0..16) += x row r . panel over kc steps along K, for the first R of 6 rows (row
- * stride ldx). With PF, each step also prefetches 32 bytes of `next` (the next panel's weights,
- * which the first row block pulls in while it computes). R and PF are constants after inlining. Twelve named
- * accumulators: GCC kept an array of them in memory, stored at every step. */
+ * stride ldx). With PF, each step also prefetches 32 bytes of `next` (the next panel's
+ * weights, which the first row block pulls in while it computes). R and PF are constants
+ * after inlining. Twelve named accumulators: GCC kept an array of them in memory, stored at
+ * every step. */
 static inline __attribute__((always_inline)) void accumulate(const float *x, int64_t ldx,
                                                              int64_t kc, const float *panel,
                                                              const int R, const int PF,
@@ -181,7 +165,7 @@ static void store_rows(const float *acc, int64_t M, const uint16_t *bias, int64_
 #if AE_GEMM_SIMD
     if (J == NR) { /* whole panels: bias and rounding 8 lanes at a time */
         __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-        if (bias) b0 = widen8(bias + n), b1 = widen8(bias + n + 8);
+        if (bias) b0 = load8_bf16(bias + n), b1 = load8_bf16(bias + n + 8);
         for (int64_t r = 0; r < M; r++) {
             __m128i lo = round8_bf16(_mm256_add_ps(_mm256_loadu_ps(acc + r * NR), b0));
             __m128i hi = round8_bf16(_mm256_add_ps(_mm256_loadu_ps(acc + r * NR + 8), b1));

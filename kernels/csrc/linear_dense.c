@@ -17,6 +17,9 @@
  * bounded the FMAs: 64-row products ran ~25% slower on Zen 3. One row (decode) takes four
  * columns at a time instead, which keeps four weight streams in flight.
  *
+ * Since gemm_dense.c, this kernel takes one row and 4 or 8; ae_linear_bf16_dense sends every
+ * other row count there.
+ *
  * Arithmetic: products and sums in fp32 (each output's sum in 8 interleaved partial sums, then
  * added), the bias added in fp32, one rounding to bf16 (nearest even) at the store.
  */
@@ -41,11 +44,6 @@
 #define PANEL_BYTES (24 * 1024)  /* x rows per panel: this many bytes of fp32, kept in L1 */
 
 #if AE_DENSE_SIMD
-static inline __m256 load8_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
