@@ -3,8 +3,10 @@
 - `a`: a random Llama, hidden 256, 4 layers, 8/4 heads, vocab 32000 (~20M parameters).
 - `b`: SmolLM2-135M-Instruct, the engine's embedded default model (converted by
   `asyncengine.entrypoints.default_model`, which keeps it in its own cache).
-- `c`: a random Llama, hidden 1024, 8 layers, 16/8 heads, vocab 32000 (~160M parameters);
-  built only when asked for.
+- `c`: a random Llama, hidden 1024, 8 layers, 16/8 heads, vocab 49152 with SmolLM2's
+  tokenizer (~225M parameters); built only when asked for. (Until session 15 it had vocab
+  32000 and the test models' word-level tokenizer, which llama.cpp's GGUF converter refuses:
+  its figures before then are of that smaller model.)
 - `d`: a random Qwen2 with Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14/2 heads, MLP
   4864, vocab 151936, tied embeddings, q/k/v biases; ~0.5B parameters) and SmolLM2's
   tokenizer (49152 ids: the model's vocabulary is padded, as real checkpoints' often are,
@@ -35,7 +37,7 @@ _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
     ),
     "c": dict(
-        vocab_size=32000,
+        vocab_size=49152,
         hidden_size=1024,
         intermediate_size=4096,
         num_hidden_layers=8,
@@ -55,6 +57,9 @@ _QWEN2_05B = dict(
     tie_word_embeddings=True,
 )
 _SEED = 0
+# The models that take SmolLM2's tokenizer in place of the tiny word-level one (which llama.cpp's
+# converter cannot name a pre-tokenizer for).
+_SMOLLM2_TOKENIZER = ("c",)
 _MARKER = "bench-model.json"  # written last: its presence means the folder is complete
 
 
@@ -92,14 +97,19 @@ def _random_llama(name: str, cache_dir: Path) -> Path:
     overrides = _RANDOM_LLAMAS[name]
     target = cache_dir / f"model-{name}"
     spec = {"arch": "llama", "seed": _SEED, "dtype": "bfloat16", **overrides}
+    if name in _SMOLLM2_TOKENIZER:
+        spec["tok"] = "smollm2"
     marker = target / _MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return target
     from asyncengine.testing.models import build_tiny_model
 
+    tokenizer_dir = _default_model() if name in _SMOLLM2_TOKENIZER else None
     print(f"building benchmark model {name} ({describe(name)}) in {target} ...", file=sys.stderr)
     shutil.rmtree(target, ignore_errors=True)
     build_tiny_model(target, "llama", seed=_SEED, dtype="bfloat16", **overrides)
+    if tokenizer_dir is not None:
+        _use_tokenizer_of(tokenizer_dir, target)
     marker.write_text(json.dumps(spec))
     return target
 
@@ -116,7 +126,14 @@ def _random_qwen2_05b(cache_dir: Path) -> Path:
     print(f"building benchmark model d ({describe('d')}) in {target} ...", file=sys.stderr)
     shutil.rmtree(target, ignore_errors=True)
     build_tiny_model(target, "qwen2", seed=_SEED, dtype="bfloat16", **_QWEN2_05B)
-    # SmolLM2's tokenizer and its special ids in place of the tiny word-level one.
+    _use_tokenizer_of(tokenizer_dir, target)
+    marker.write_text(json.dumps(spec))
+    return target
+
+
+def _use_tokenizer_of(tokenizer_dir: Path, target: Path) -> None:
+    """SmolLM2's tokenizer (from `tokenizer_dir`) and its special ids in place of the tiny
+    word-level one in the model folder `target`."""
     for stale in target.glob("*token*"):
         stale.unlink()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -128,8 +145,6 @@ def _random_qwen2_05b(cache_dir: Path) -> Path:
         config[key] = smol.get(key)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").unlink(missing_ok=True)
-    marker.write_text(json.dumps(spec))
-    return target
 
 
 def _default_model() -> Path:

@@ -157,9 +157,10 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "ae_linear_dense_simd": (_int, ()),
     "ae_linear_bf16_dense": (_int, (
         _ptr, _i64, _i64,  # x, its row stride, rows
-        _ptr, _i64, _i64,  # weight [N][K] row-major, N, K
+        _ptr, _i64, _i64,  # weight in 16-row k-major panels (linear_dense_cpu.pack_dense), N, K
         _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
     )),
+    "ae_dense_panel_order": (None, (_ptr,)),  # int32 [16]: where each column of a panel sits
 }  # fmt: skip
 
 
@@ -184,6 +185,7 @@ class NativeKernels:
     linear_bf16_dense: Callable[..., int]
     # whether linear_bf16_dense runs on AVX2 FMAs (else its scalar loops)
     linear_dense_simd: bool
+    dense_panel_order: Callable[..., None]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
 
@@ -267,6 +269,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_bf16_fast=bool(_function(lib, "ae_linear_bf16_fast")()),
         linear_bf16_dense=_function(lib, "ae_linear_bf16_dense"),  # type: ignore[arg-type]
         linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
+        dense_panel_order=_function(lib, "ae_dense_panel_order"),
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
     )

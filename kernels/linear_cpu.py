@@ -3,7 +3,9 @@
 
 `asyncengine/model/cpu_linear.py`'s `PackedLinear` reorders each weight into oneDNN's blocked
 layout once; `prepare_linear_cpu` checks that the packed weight lies as the kernels read it,
-[ceil(out / 64)][in_padded / 2][64][2], and returns a `LinearCpu` over it:
+[ceil(out / 64)][in_padded / 2][64][2], and returns a `LinearCpu` over it. Where oneDNN chose
+another layout (on CPUs with AMX it packs for its tile kernels), the kernels get a copy of the
+weight in their own layout (`pack_native`): twice the weight memory, for their decode speed.
 
 - `LinearCpu(x)`: `x @ weight.T + bias` with AVX512-BF16 dot products: one-row products at
   close to the memory bandwidth (oneDNN's reach about half of it and pay more per call). Its
@@ -37,7 +39,9 @@ class LinearCpu:
                  shape: tuple[int, int], bias: torch.Tensor | None) -> None:  # fmt: skip
         self._lib = lib
         self._packed = packed  # the kernels read its memory: keep it alive
-        self._address = torch.ops.mkldnn.data_ptr(packed)
+        # a copy of the weight of its own (oneDNN packed in another layout: AMX), not oneDNN's
+        self.own_copy = not packed.is_mkldnn
+        self._address = torch.ops.mkldnn.data_ptr(packed) if packed.is_mkldnn else packed.data_ptr()
         self._packed_k = packed_k
         self._n, self._k = shape
         self._bias = None if bias is None else bias.detach().contiguous()
@@ -92,8 +96,9 @@ def prepare_linear_cpu(
     bias: torch.Tensor | None,  # [out]
     packed: torch.Tensor,  # oneDNN's reordering of weight (torch.ops.mkldnn)
 ) -> LinearCpu | None:
-    """The native kernels' product over `packed`, or None where they do not apply: not bf16,
-    not built with AVX512-BF16, or packed in another layout."""
+    """The native kernels' product over `packed`, or over a copy of `weight` in their layout
+    where oneDNN packed it in another; None where they do not apply (not bf16, not built with
+    AVX512-BF16)."""
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         return None
     lib = load_native()
@@ -101,11 +106,23 @@ def prepare_linear_cpu(
         return None
     packed_k = _packed_k(weight, packed)
     if packed_k is None:
-        logger.info("oneDNN packed a %s weight in a layout the native kernel does not read",
-                    tuple(weight.shape))  # fmt: skip
-        return None
+        logger.debug("oneDNN packed a %s weight in another layout: the native kernels get a copy",
+                     tuple(weight.shape))  # fmt: skip
+        packed, packed_k = pack_native(weight)
     n, k = weight.shape
     return LinearCpu(lib, packed, packed_k, (n, k), bias)
+
+
+def pack_native(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`weight` [out, in] bf16 in the native kernels' layout, [ceil(out / 64)][in_padded / 2]
+    [64][2] with zero padding (a new plain tensor), and in_padded (in, rounded up to even)."""
+    n, k = weight.shape
+    blocks, packed_k = -(-n // NATIVE_BLOCK), k + k % 2
+    padded = weight.detach().new_zeros(blocks * NATIVE_BLOCK, packed_k)
+    padded[:n, :k] = weight.detach()
+    # [blocks, 64, K/2, 2] -> [blocks, K/2, 64, 2]
+    by_pair = padded.view(blocks, NATIVE_BLOCK, packed_k // 2, 2).transpose(1, 2)
+    return by_pair.contiguous(), packed_k
 
 
 def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:

@@ -1,20 +1,28 @@
-"""bf16 linear layers over plain row-major weights, for CPUs without AVX512-BF16 (AVX2 and FMA:
-AMD Zen 2/3, Intel before Cooper Lake): the native kernels `csrc/linear_dense.c` (one row, and
-4 or 8) and `csrc/gemm_dense.c` (every other row count), which the first routes to.
+"""bf16 linear layers for CPUs without AVX512-BF16 (AVX2 and FMA: AMD Zen 2/3, Intel before
+Cooper Lake), over weights packed once at load time: the native kernel `csrc/linear_dense.c`.
 
 There, oneDNN has no bf16 path and torch's bf16 GEMM falls back to loops at a sixth of its
-fp32 speed. The kernels keep the weight in bf16 (as loaded: no copy) and compute in fp32 with
-FMAs, one rounding to bf16 at the end, so their results match `F.linear`'s up to the order of
-the fp32 sums (a last-bit difference in rare values). The register-blocked GEMM also beats
-torch's fp32 GEMM on widened copies at every row count measured (up to 1024), so prefill
-chunks stay here too.
+fp32 speed. The kernel keeps the weight in bf16 and computes in fp32 with FMAs, one rounding
+to bf16 at the end, so its results match `F.linear`'s up to the order of the fp32 sums (a
+last-bit difference in rare values).
+
+`pack_dense` lays a weight [N, K] out as the kernel reads it: panels of PANEL_ROWS rows (the
+last padded with zero rows), each k-major, the panel's 16 columns at one k side by side in the
+order the kernel widens them (`panel_order`). A one-row product then streams each thread's
+share of the weight as one sequential read, and the GEMM of more rows needs no per-call
+repacking. `unpack_dense` gives the plain weight back.
 """
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import torch
 
 from asyncengine.kernels.cpu_native import NativeKernels, load_native
+
+PANEL_ROWS = 16
 
 
 def dense_kernels() -> NativeKernels | None:
@@ -23,21 +31,57 @@ def dense_kernels() -> NativeKernels | None:
     return lib if lib is not None and lib.linear_dense_simd else None
 
 
+def panel_order(lib: NativeKernels) -> tuple[int, ...]:
+    """Where column j of a panel sits among the 16 values of one k (the kernel's own map)."""
+    order = _PANEL_ORDERS.get(lib.path)
+    if order is None:
+        slots = (ctypes.c_int32 * PANEL_ROWS)()
+        lib.dense_panel_order(slots)
+        order = _PANEL_ORDERS[lib.path] = tuple(slots)
+    return order
+
+
+_PANEL_ORDERS: dict[Path, tuple[int, ...]] = {}  # by library
+
+
+def pack_dense(lib: NativeKernels, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] bf16 in the kernel's layout: [ceil(N / 16), K, 16], a new tensor."""
+    n, k = weight.shape
+    panels = -(-n // PANEL_ROWS)
+    padded = weight.new_zeros(panels * PANEL_ROWS, k)
+    padded[:n] = weight
+    order = torch.tensor(panel_order(lib))
+    # [panels, 16, K] -> [panels, K, 16], then column j moved to slot order[j]
+    by_k = padded.view(panels, PANEL_ROWS, k).transpose(1, 2)
+    packed = torch.empty(panels, k, PANEL_ROWS, dtype=weight.dtype)
+    packed[:, :, order] = by_k
+    return packed
+
+
+def unpack_dense(lib: NativeKernels, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain weight [n, K] of `pack_dense`'s output (a copy)."""
+    panels, k, _ = packed.shape
+    order = torch.tensor(panel_order(lib))
+    by_k = packed[:, :, order]  # [panels, K, 16] in column order
+    return by_k.transpose(1, 2).reshape(panels * PANEL_ROWS, k)[:n].contiguous()
+
+
 def linear_bf16_dense(
     lib: NativeKernels,
     x: torch.Tensor,  # [rows, in] bf16, unit stride along in
-    weight: torch.Tensor,  # [out, in] bf16, contiguous
+    packed: torch.Tensor,  # pack_dense(weight [out, in])
+    out_features: int,
     bias: torch.Tensor | None,  # [out] bf16
 ) -> torch.Tensor:  # [rows, out] bf16
-    """`F.linear(x, weight, bias)` by the native kernels (see the module docstring)."""
+    """`F.linear(x, weight, bias)` by the native kernel (see the module docstring)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows = x.shape[0]
-    n, k = weight.shape
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    rows, k = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     status = lib.linear_bf16_dense(
-        x.data_ptr(), x.stride(0), rows, weight.data_ptr(), n, k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+        x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, k,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"linear_bf16_dense: no memory for a [{rows}, {k}] fp32 scratch")

@@ -11,7 +11,8 @@ reordered weight (the lm_head too; a tied embedding keeps its own plain copy). I
 packed path against `F.linear` once and leaves the model as it is if they differ or oneDNN
 lacks the dtype, so an unusual build of torch only loses the speed-up.
 
-Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows) skip oneDNN: the native kernels
+Decode-sized bf16 products (up to NATIVE_MAX_ROWS rows; NATIVE_MAX_ROWS_AMX on CPUs with AMX,
+where oneDNN's tile kernels win from a few rows up) skip oneDNN: the native kernels
 (`kernels/linear_cpu.py`) read the same packed weight with AVX512-BF16 dot products:
 one-row products at close to the memory bandwidth, where oneDNN's reach about half of it and
 pay more per call; with more rows they compute as fast as oneDNN on cached weights and stream
@@ -31,7 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.kernels.linear_cpu import NATIVE_BLOCK, LinearCpu, prepare_linear_cpu
-from asyncengine.kernels.linear_dense_cpu import dense_kernels, linear_bf16_dense
+from asyncengine.kernels.linear_dense_cpu import (
+    dense_kernels,
+    linear_bf16_dense,
+    pack_dense,
+    unpack_dense,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,11 @@ _BATCH_HINT = 64  # the layout oneDNN picks barely depends on it (measured: with
 # 34.3, 128 rows 45.4 against 44.5, 256 rows 85 against 87. Longer (prefill) products stay
 # with oneDNN, which is ahead there.
 NATIVE_MAX_ROWS = 128
+# On CPUs with AMX, oneDNN packs for its tile kernels (the native kernels then read a copy of
+# their own) and runs from a few rows up far faster than they do. Measured on 2 Emerald Rapids
+# cores, SmolLM2's 121 linears, oneDNN against native: 1 row 22-23 against 15 ms, 4 rows 16-20
+# against 16, 6 rows 16.2 against 17.5, 64 rows 34 against 175 ms.
+NATIVE_MAX_ROWS_AMX = 4
 
 
 class PackedLinear(nn.Module):
@@ -58,11 +69,19 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self._native = prepare_linear_cpu(linear.weight, self.bias, self.packed_weight)
 
+    @property
+    def native_max_rows(self) -> int:
+        """The most rows a product runs in the native kernel for (0 where it has none)."""
+        native = self._native
+        if native is None:
+            return 0
+        return min(NATIVE_MAX_ROWS, NATIVE_MAX_ROWS_AMX) if native.own_copy else NATIVE_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         native = self._native
         if native is not None and x.dtype == torch.bfloat16:
             rows = x.numel() // self.in_features
-            if 0 < rows <= NATIVE_MAX_ROWS:
+            if 0 < rows <= self.native_max_rows:
                 return native(x.reshape(rows, self.in_features)).view(*x.shape[:-1], -1)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [], ""
@@ -72,7 +91,7 @@ class PackedLinear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """`silu(g) * u` of this joint [gate; up] layer's output halves `g`, `u` for x [rows,
         in], in one native call, bit for bit `silu_mul_cpu` of `forward(x)`'s halves; None
-        where that path does not apply (not bf16, more than NATIVE_MAX_ROWS rows, halves not
+        where that path does not apply (not bf16, more than native_max_rows rows, halves not
         whole 64-column blocks): the caller then runs the two steps."""
         native = self._native_for(x)
         if native is None or self.out_features % (2 * NATIVE_BLOCK):
@@ -84,7 +103,7 @@ class PackedLinear(nn.Module):
     ) -> torch.Tensor | None:
         """`rms_norm_cpu(forward(x), weight, eps, residual)` in one native call, bit for bit:
         `residual += forward(x)` in place, and its RMSNorm returned. None where that path
-        does not apply (not bf16, more than NATIVE_MAX_ROWS rows, a residual whose rows are not
+        does not apply (not bf16, more than native_max_rows rows, a residual whose rows are not
         contiguous, a width that is not a multiple of 16): the caller runs the two steps."""
         native = self._native_for(x)
         n = self.out_features
@@ -95,11 +114,11 @@ class PackedLinear(nn.Module):
         return native.add_rms_norm(x, residual, weight, eps)
 
     def _native_for(self, x: torch.Tensor) -> LinearCpu | None:
-        """The native kernel, where it takes x: bf16 rows [rows, in], 1 to NATIVE_MAX_ROWS."""
+        """The native kernel, where it takes x: bf16 rows [rows, in], 1 to native_max_rows."""
         native = self._native
         if native is None or x.dtype != torch.bfloat16 or x.dim() != 2:
             return None
-        return native if 0 < x.shape[0] <= NATIVE_MAX_ROWS else None
+        return native if 0 < x.shape[0] <= self.native_max_rows else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -118,22 +137,32 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class NativeDenseLinear(DenseLinear):
+class NativeDenseLinear(nn.Module):
     """A bf16 linear layer on the native AVX2 kernel (kernels/linear_dense_cpu.py), for CPUs
-    where oneDNN has no bf16 path; the weight stays as given, plain row-major bf16."""
+    where oneDNN has no bf16 path. It holds the weight only in the kernel's packed layout
+    (`packed`, made once here); `weight` unpacks a plain copy for the rare caller that wants it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, None if bias is None else bias.detach().contiguous())
+        super().__init__()
         lib = dense_kernels()
         assert lib is not None, "NativeDenseLinear needs the AVX2 build of the native kernels"
         self._lib = lib
+        self.out_features, self.in_features = weight.shape
+        # A plain attribute, outside the state dict (as PackedLinear's oneDNN weight).
+        self.packed = pack_dense(lib, weight.detach())
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weight [out, in], unpacked (a new tensor on every call)."""
+        return unpack_dense(self._lib, self.packed, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features)
-        out = linear_bf16_dense(self._lib, rows, self.weight, self.bias)
+        out = linear_bf16_dense(self._lib, rows, self.packed, self.out_features, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -153,7 +182,7 @@ def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     if weight.device.type == "cpu" and packs(weight.dtype):
         return PackedLinear(dense)
     if _dense_native(weight):
-        return NativeDenseLinear(weight.contiguous(), bias)
+        return NativeDenseLinear(weight, bias)
     return dense
 
 
@@ -190,8 +219,7 @@ def _use_dense_native(model: nn.Module, dtype: torch.dtype) -> int:
         if type(m) is nn.Linear and _dense_native(m.weight)
     ]
     for name, module in linears:
-        weight = module.weight.detach().contiguous()
-        model.set_submodule(name, NativeDenseLinear(weight, module.bias))
+        model.set_submodule(name, NativeDenseLinear(module.weight, module.bias))
     logger.info("%d bf16 linear layers run on the native AVX2 kernel", len(linears))
     return len(linears)
 

@@ -127,7 +127,7 @@ def _layer_row(
         or does not read `in_features` values."""
         if type(module) is not NativeDenseLinear or module.in_features != in_features:
             return None
-        if not (put(f"{prefix}_w", module.weight) and put(f"{prefix}_b", module.bias)):
+        if not (put(f"{prefix}_w", module.packed) and put(f"{prefix}_b", module.bias)):
             return None
         return int(module.out_features)
 

@@ -62,15 +62,12 @@ void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n
 void ae_apply_bitmask(int dt, void *x, int64_t x_st, const int64_t *rows, int64_t n_rows,
                       const int32_t *mask, int64_t mask_st, int64_t n, int num_threads);
 
-/* linear_dense.c (bf16 over plain row-major weights, fp32 FMAs; 0 on success, -1 when out of
- * memory) */
+/* linear_dense.c (bf16 over weights in 16-row k-major panels, fp32 FMAs; 0 on success, -1
+ * when out of memory) */
 int ae_linear_dense_simd(void);
 int ae_linear_bf16_dense(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
                          int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
-/* gemm_dense.c (the same product by register-blocked GEMM; ae_linear_bf16_dense sends it the
- * row counts it is faster at) */
-int ae_gemm_bf16_dense(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                       int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
+void ae_dense_panel_order(int32_t *order);
 
 /* linear.c (bf16 only, over oneDNN's packed weights) */
 /* decode_layers.c: the lean forward's decoder layers in one call. `layers` is [num_layers]

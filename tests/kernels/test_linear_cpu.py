@@ -1,10 +1,12 @@
 """The native decode-sized bf16 linear kernels (kernels/linear_cpu.py) over oneDNN's packed
-weights: fp32 products' numbers on awkward shapes, the portable build, the layout check.
+weights or their own copy: fp32 products' numbers on awkward shapes, the portable build, the
+own packing and the layout check.
 PackedLinear, which routes layers to them, and the fused variants are tested with the model
 code (tests/model/test_cpu_linear.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 from pathlib import Path
 
@@ -23,10 +25,12 @@ def _call_native(lib: object, x: torch.Tensor, packed: torch.Tensor, weight: tor
                  bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     n, k = weight.shape
     packed_k = linear_cpu._packed_k(weight, packed)
-    assert packed_k is not None
+    if packed_k is None:  # oneDNN packs in another layout here (AMX): the layers' own copy
+        packed, packed_k = linear_cpu.pack_native(weight)
+    address = torch.ops.mkldnn.data_ptr(packed) if packed.is_mkldnn else packed.data_ptr()
     out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
     lib.linear_bf16(  # type: ignore[attr-defined]
-        x.data_ptr(), x.stride(0), x.shape[0], torch.ops.mkldnn.data_ptr(packed), n, k, packed_k,
+        x.data_ptr(), x.stride(0), x.shape[0], address, n, k, packed_k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), n, 2,
     )  # fmt: skip
     return out
@@ -75,8 +79,35 @@ def test_native_linear_portable_build(tmp_path: Path, monkeypatch: pytest.Monkey
         cpu_native.load_native.cache_clear()
 
 
+def _onednn_packs_as_native() -> bool:
+    """Whether oneDNN packs bf16 weights in the native kernels' layout on this CPU (not where
+    it packs for AMX tiles)."""
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    return linear_cpu._packed_k(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)) == 64
+
+
+def test_own_packing_is_the_layout_the_kernels_read() -> None:
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(100, 7, generator=g).to(torch.bfloat16)  # a short block, odd width
+    packed, packed_k = linear_cpu.pack_native(weight)
+    assert packed_k == 8 and packed.shape == (2, 4, 64, 2)
+    for n, k in [(0, 0), (63, 6), (64, 1), (99, 3)]:
+        assert packed[n // 64, k // 2, n % 64, k % 2] == weight[n, k]
+    assert torch.all(packed[1, :, 36:] == 0) and torch.all(packed[:, 3, :, 1] == 0)
+    if _onednn_packs_as_native():  # byte for byte what oneDNN lays out, where it uses it
+        square = torch.randn(128, 64, generator=g).to(torch.bfloat16)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(square, 64)
+        own = linear_cpu.pack_native(square)[0].flatten()
+        assert linear_cpu._packed_k(square, onednn) == 64
+        assert torch.ops.mkldnn._nbytes(onednn) == own.numel() * 2
+        raw = (ctypes.c_uint16 * own.numel()).from_address(torch.ops.mkldnn.data_ptr(onednn))
+        assert torch.equal(torch.frombuffer(raw, dtype=torch.int16), own.view(torch.int16))
+
+
 @pytest.mark.skipif(load_native() is None, reason="no working C compiler")
 def test_a_packing_in_another_layout_is_refused() -> None:
+    if not _onednn_packs_as_native():
+        pytest.skip("oneDNN packs bf16 in another layout on this CPU (AMX tiles)")
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(128, 64, generator=g).to(torch.bfloat16)
     assert linear_cpu._packed_k(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)) == 64

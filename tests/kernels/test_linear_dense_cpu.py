@@ -1,5 +1,6 @@
 """The native dense bf16 linear kernel (kernels/linear_dense_cpu.py, for CPUs without
-AVX512-BF16): fp32 products' numbers on awkward shapes, and the layers that route to it."""
+AVX512-BF16): its packed weight layout, fp32 products' numbers on awkward shapes, and the
+layers that route to it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu_native import load_native
-from asyncengine.kernels.linear_dense_cpu import dense_kernels, linear_bf16_dense
+from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.kernels.linear_dense_cpu import (
+    dense_kernels,
+    linear_bf16_dense,
+    pack_dense,
+    panel_order,
+    unpack_dense,
+)
 from asyncengine.model import cpu_linear
 
 pytestmark = [
@@ -32,15 +39,35 @@ def _assert_rounds_to(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Ten
     assert torch.all((out.float() - ref).abs() <= bound), (out.float() - ref).abs().max()
 
 
+def _dense(
+    lib: NativeKernels, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    return linear_bf16_dense(lib, x, pack_dense(lib, w), w.shape[0], b)
+
+
 def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     magnitude = F.linear(x.float().abs(), w.float().abs())
     _assert_rounds_to(out, _reference(x, w, b), magnitude)
 
 
-# 1, 4 and 8 rows run the dot-product kernel (linear_dense.c), every other count the
-# register-blocked GEMM (gemm_dense.c): its 6-row blocks with 1-5 left over, 16-column panels
-# with a short last one split between the threads, K past one 256-step slice and not a multiple
-# of 8.
+def test_packing_lays_panels_out_k_major_and_unpacks_to_the_weight() -> None:
+    lib = load_native()
+    assert lib is not None
+    order = panel_order(lib)
+    assert sorted(order) == list(range(16))
+    w = torch.randn(37, 5).bfloat16()  # three panels, the last with 5 rows and 11 of padding
+    packed = pack_dense(lib, w)
+    assert packed.shape == (3, 5, 16) and packed.dtype == torch.bfloat16
+    for n in range(37):
+        for k in range(5):
+            assert packed[n // 16, k, order[n % 16]] == w[n, k]
+    assert torch.all(packed[2, :, [order[j] for j in range(5, 16)]] == 0)
+    assert torch.equal(unpack_dense(lib, packed, 37), w)
+
+
+# One row runs the panel-wise dot products, more rows the register-blocked GEMM: its 6-row
+# blocks with 1-5 left over, 16-column panels with a short last one split between the threads,
+# K past one 256-step slice and not a multiple of 8 (nor of 4, the one-row loop's step).
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 131])
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (100, 70), (7, 9), (1001, 333), (5, 1), (48, 600)])
 def test_products_match_fp32_on_awkward_shapes(rows: int, n: int, k: int) -> None:
@@ -52,20 +79,19 @@ def test_products_match_fp32_on_awkward_shapes(rows: int, n: int, k: int) -> Non
     # rows with a stride of their own: every other row of a wider tensor's leading columns
     wide = torch.randn(2 * rows, k + 3, generator=g).bfloat16()
     x = wide[::2, :k]
-    _check(linear_bf16_dense(lib, x, w, bias), x, w, bias)
+    _check(_dense(lib, x, w, bias), x, w, bias)
 
 
 @pytest.mark.parametrize("rows", [8, 300])
 def test_a_large_panel_of_rows_and_columns(rows: int) -> None:
-    # many row panels (the dot kernel at 8 rows), a width past the thread split (the GEMM at
-    # 300 rows: one chunk, as K = 1536 allows 336)
+    # a width past the thread split, and one chunk of 300 rows (K = 1536 allows 336)
     lib = load_native()
     assert lib is not None
     g = torch.Generator().manual_seed(7)
     w = torch.randn(777, 1536, generator=g).bfloat16()
     b = torch.randn(777, generator=g).bfloat16()
     x = torch.randn(rows, 1536, generator=g).bfloat16()
-    _check(linear_bf16_dense(lib, x, w, b), x, w, b)
+    _check(_dense(lib, x, w, b), x, w, b)
 
 
 def test_long_prefills_take_the_rows_in_chunks() -> None:
@@ -75,7 +101,7 @@ def test_long_prefills_take_the_rows_in_chunks() -> None:
     g = torch.Generator().manual_seed(5)
     w = torch.randn(40, 4096, generator=g).bfloat16()
     x = torch.randn(400, 4096, generator=g).bfloat16()
-    _check(linear_bf16_dense(lib, x, w, None), x, w, None)
+    _check(_dense(lib, x, w, None), x, w, None)
 
 
 def test_specials_round_as_torch_rounds() -> None:
@@ -88,7 +114,7 @@ def test_specials_round_as_torch_rounds() -> None:
     x[2, 0] = float("inf")
     x[3, 0] = -float("inf")
     x[4, 0] = 3e38  # the sum overflows fp32
-    out = linear_bf16_dense(lib, x, w, None).float()
+    out = _dense(lib, x, w, None).float()
     expected = F.linear(x.float(), w.float()).bfloat16().float()
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
@@ -105,6 +131,9 @@ def test_layers_route_bf16_to_the_kernel_where_onednn_cannot_pack(
     b = torch.randn(48, generator=g).bfloat16()
     layer = cpu_linear.linear_layer(w, b)
     assert isinstance(layer, cpu_linear.NativeDenseLinear)
+    assert torch.equal(layer.weight, w)  # unpacked from the only copy it holds
+    held = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    assert not any(v.shape == w.shape for v in held)  # no plain copy kept beside the packed one
     x = torch.randn(2, 3, 40, generator=g).bfloat16()  # leading dims are kept
     _check(layer(x), x, w, b)
     # fp32 inputs (a caller upcasting) still get F.linear's numbers
