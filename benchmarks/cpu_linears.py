@@ -9,7 +9,8 @@ as they do in a step, not from cache. For each row count it alternates the two p
 (`cpu_linear.NATIVE_MAX_ROWS` set to 0 for oneDNN) `--repeats` times in this one process, as
 the machine's memory bandwidth drifts between processes, and prints the median of each and
 their ratio. Without the native kernel's fast path (no AVX512-BF16) both columns time the same
-layers (on AVX2 machines, `NativeDenseLinear`'s dense kernels: dot products or the GEMM).
+layers (on AVX2 machines, `NativeDenseLinear`'s dense kernel over its packed panels). On CPUs
+with AMX, PackedLinear routes at most `NATIVE_MAX_ROWS_AMX` rows to the native kernel.
 """
 
 from __future__ import annotations
