@@ -185,7 +185,8 @@ class NativeKernels:
     linear_bf16_dense: Callable[..., int]
     # whether linear_bf16_dense runs on AVX2 FMAs (else its scalar loops)
     linear_dense_simd: bool
-    dense_panel_order: Callable[..., None]
+    # where column j of a dense panel sits among the 16 values of one k (ae_dense_panel_order)
+    dense_panel_order: tuple[int, ...]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
 
@@ -269,10 +270,16 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_bf16_fast=bool(_function(lib, "ae_linear_bf16_fast")()),
         linear_bf16_dense=_function(lib, "ae_linear_bf16_dense"),  # type: ignore[arg-type]
         linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
-        dense_panel_order=_function(lib, "ae_dense_panel_order"),
+        dense_panel_order=_panel_order(_function(lib, "ae_dense_panel_order")),
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
     )
+
+
+def _panel_order(function: Callable[..., None]) -> tuple[int, ...]:
+    slots = (ctypes.c_int32 * 16)()
+    function(slots)
+    return tuple(slots)
 
 
 def _build_flags() -> tuple[str, ...]:

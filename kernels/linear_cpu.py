@@ -41,7 +41,7 @@ class LinearCpu:
         self._packed = packed  # the kernels read its memory: keep it alive
         # a copy of the weight of its own (oneDNN packed in another layout: AMX), not oneDNN's
         self.own_copy = not packed.is_mkldnn
-        self._address = torch.ops.mkldnn.data_ptr(packed) if packed.is_mkldnn else packed.data_ptr()
+        self._address = address_of(packed)
         self._packed_k = packed_k
         self._n, self._k = shape
         self._bias = None if bias is None else bias.detach().contiguous()
@@ -104,13 +104,25 @@ def prepare_linear_cpu(
     lib = load_native()
     if lib is None or not lib.linear_bf16_fast:
         return None
-    packed_k = _packed_k(weight, packed)
-    if packed_k is None:
-        logger.debug("oneDNN packed a %s weight in another layout: the native kernels get a copy",
-                     tuple(weight.shape))  # fmt: skip
-        packed, packed_k = pack_native(weight)
+    packed, packed_k = native_layout(weight, packed)
     n, k = weight.shape
     return LinearCpu(lib, packed, packed_k, (n, k), bias)
+
+
+def native_layout(weight: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What the native kernels read for `weight`, and its padded input extent: oneDNN's
+    `packed` where it lies in their layout, else a copy of their own (`pack_native`)."""
+    packed_k = _packed_k(weight, packed)
+    if packed_k is not None:
+        return packed, packed_k
+    logger.debug("oneDNN packed a %s weight in another layout: the native kernels get a copy",
+                 tuple(weight.shape))  # fmt: skip
+    return pack_native(weight)
+
+
+def address_of(packed: torch.Tensor) -> int:
+    """The address of a packed weight's data, oneDNN's (opaque) or a plain tensor's."""
+    return int(torch.ops.mkldnn.data_ptr(packed) if packed.is_mkldnn else packed.data_ptr())
 
 
 def pack_native(weight: torch.Tensor) -> tuple[torch.Tensor, int]:

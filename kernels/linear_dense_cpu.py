@@ -8,15 +8,12 @@ last-bit difference in rare values).
 
 `pack_dense` lays a weight [N, K] out as the kernel reads it: panels of PANEL_ROWS rows (the
 last padded with zero rows), each k-major, the panel's 16 columns at one k side by side in the
-order the kernel widens them (`panel_order`). A one-row product then streams each thread's
-share of the weight as one sequential read, and the GEMM of more rows needs no per-call
-repacking. `unpack_dense` gives the plain weight back.
+order the kernel widens them (`NativeKernels.dense_panel_order`). A one-row product then
+streams each thread's share of the weight as one sequential read, and the GEMM of more rows
+needs no per-call repacking. `unpack_dense` gives the plain weight back.
 """
 
 from __future__ import annotations
-
-import ctypes
-from pathlib import Path
 
 import torch
 
@@ -31,26 +28,13 @@ def dense_kernels() -> NativeKernels | None:
     return lib if lib is not None and lib.linear_dense_simd else None
 
 
-def panel_order(lib: NativeKernels) -> tuple[int, ...]:
-    """Where column j of a panel sits among the 16 values of one k (the kernel's own map)."""
-    order = _PANEL_ORDERS.get(lib.path)
-    if order is None:
-        slots = (ctypes.c_int32 * PANEL_ROWS)()
-        lib.dense_panel_order(slots)
-        order = _PANEL_ORDERS[lib.path] = tuple(slots)
-    return order
-
-
-_PANEL_ORDERS: dict[Path, tuple[int, ...]] = {}  # by library
-
-
 def pack_dense(lib: NativeKernels, weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] bf16 in the kernel's layout: [ceil(N / 16), K, 16], a new tensor."""
     n, k = weight.shape
     panels = -(-n // PANEL_ROWS)
     padded = weight.new_zeros(panels * PANEL_ROWS, k)
     padded[:n] = weight
-    order = torch.tensor(panel_order(lib))
+    order = torch.tensor(lib.dense_panel_order)
     # [panels, 16, K] -> [panels, K, 16], then column j moved to slot order[j]
     by_k = padded.view(panels, PANEL_ROWS, k).transpose(1, 2)
     packed = torch.empty(panels, k, PANEL_ROWS, dtype=weight.dtype)
@@ -61,7 +45,7 @@ def pack_dense(lib: NativeKernels, weight: torch.Tensor) -> torch.Tensor:
 def unpack_dense(lib: NativeKernels, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The plain weight [n, K] of `pack_dense`'s output (a copy)."""
     panels, k, _ = packed.shape
-    order = torch.tensor(panel_order(lib))
+    order = torch.tensor(lib.dense_panel_order)
     by_k = packed[:, :, order]  # [panels, K, 16] in column order
     return by_k.transpose(1, 2).reshape(panels * PANEL_ROWS, k)[:n].contiguous()
 

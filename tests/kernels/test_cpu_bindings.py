@@ -20,7 +20,8 @@ from asyncengine.kernels import cpu_native
 
 CSRC = Path(cpu_native.__file__).parent / "csrc"
 HEADER = CSRC / "ae_kernels.h"
-PROBES = ("ae_linear_bf16_fast", "ae_linear_dense_simd")  # what the build can do: bound as bools
+# what the build can do (bound as bools) and how it lays out dense panels (bound as a tuple)
+PROBES = ("ae_linear_bf16_fast", "ae_linear_dense_simd", "ae_dense_panel_order")
 
 # C parameter and return types as ctypes sees them: every pointer is a void pointer.
 C_TYPES: dict[str, type | None] = {
@@ -105,7 +106,7 @@ def test_the_loaded_functions_carry_those_signatures() -> None:
         for f in dataclasses.fields(lib)
         if isinstance(getattr(lib, f.name), ctypes._CFuncPtr)  # type: ignore[attr-defined]
     ]
-    # the two build probes (ae_linear_bf16_fast, ae_linear_dense_simd) are called once, at bind
+    # the build probes (PROBES) are called once, at bind, and kept as their results
     assert len(functions) == len(cpu_native.SIGNATURES) - len(PROBES)
     for fn in functions:
         bound: Signature = (fn.restype, tuple(fn.argtypes))

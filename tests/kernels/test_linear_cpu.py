@@ -24,13 +24,10 @@ pytestmark = pytest.mark.skipif(
 def _call_native(lib: object, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     n, k = weight.shape
-    packed_k = linear_cpu._packed_k(weight, packed)
-    if packed_k is None:  # oneDNN packs in another layout here (AMX): the layers' own copy
-        packed, packed_k = linear_cpu.pack_native(weight)
-    address = torch.ops.mkldnn.data_ptr(packed) if packed.is_mkldnn else packed.data_ptr()
+    packed, packed_k = linear_cpu.native_layout(weight, packed)  # (own copy on AMX CPUs)
     out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
     lib.linear_bf16(  # type: ignore[attr-defined]
-        x.data_ptr(), x.stride(0), x.shape[0], address, n, k, packed_k,
+        x.data_ptr(), x.stride(0), x.shape[0], linear_cpu.address_of(packed), n, k, packed_k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), n, 2,
     )  # fmt: skip
     return out

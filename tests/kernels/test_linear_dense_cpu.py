@@ -14,7 +14,6 @@ from asyncengine.kernels.linear_dense_cpu import (
     dense_kernels,
     linear_bf16_dense,
     pack_dense,
-    panel_order,
     unpack_dense,
 )
 from asyncengine.model import cpu_linear
@@ -53,7 +52,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
 def test_packing_lays_panels_out_k_major_and_unpacks_to_the_weight() -> None:
     lib = load_native()
     assert lib is not None
-    order = panel_order(lib)
+    order = lib.dense_panel_order
     assert sorted(order) == list(range(16))
     w = torch.randn(37, 5).bfloat16()  # three panels, the last with 5 rows and 11 of padding
     packed = pack_dense(lib, w)
