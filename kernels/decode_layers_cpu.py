@@ -10,16 +10,18 @@ from asyncengine.kernels.cpu_native import NativeKernels
 from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
 
 # ae_kernels.h's enum ae_layer_field, in its order (tests/model/test_decode_layers.py checks):
-# the columns of the per-layer table of addresses.
+# the columns of the per-layer table of addresses. A weight's "*_kp" column is 0 for the dense
+# kernel's panels (linear_dense.c), else the padded input extent of linear.c's blocks.
 LAYER_FIELDS = (
     "in_norm", "post_norm", "q_w", "k_w", "v_w", "q_b", "k_b", "v_b", "o_w", "o_b",
     "gate_w", "up_w", "gate_b", "up_b", "down_w", "down_b", "q_norm", "k_norm", "kv_cache",
+    "q_kp", "k_kp", "v_kp", "o_kp", "gate_kp", "up_kp", "down_kp",
 )  # fmt: skip
 
 
 def decode_layers_bf16(
     lib: NativeKernels,
-    table: torch.Tensor,  # [L, len(LAYER_FIELDS)] int64 addresses
+    table: torch.Tensor,  # [L, len(LAYER_FIELDS)] int64 addresses (and packed extents)
     dims: tuple[int, int, int, int, int],  # hidden, H_q, H_kv, D, intermediate
     residual: torch.Tensor,  # [T, hidden] bf16, contiguous: updated in place
     cos: torch.Tensor,  # [T, D] bf16, rows contiguous

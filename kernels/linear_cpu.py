@@ -47,6 +47,21 @@ class LinearCpu:
         self._bias = None if bias is None else bias.detach().contiguous()
         self._bias_address = None if self._bias is None else self._bias.data_ptr()
 
+    @property
+    def address(self) -> int:
+        """The packed weight's address, for native callers (decode_layers.c)."""
+        return self._address
+
+    @property
+    def packed_k(self) -> int:
+        """The packed weight's input extent (in_features rounded up as it was packed)."""
+        return self._packed_k
+
+    @property
+    def bias_address(self) -> int:
+        """The bias's address; 0 where there is none."""
+        return self._bias_address or 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if x.stride(-1) != 1:
             x = x.contiguous()

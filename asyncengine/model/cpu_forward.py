@@ -85,7 +85,7 @@ class CpuForward:
         self._lm_head = lm_head
         self._head_dim = head_dim
         self._layers = layers
-        # The layers in one native call, where every projection is on the dense kernel
+        # The layers in one native call, where every projection is on a native linear kernel
         # (decode_layers.py); None: the Python loop below. Set it to None to compare.
         self.native_layers = NativeDecodeLayers.build(layers, head_dim)
 

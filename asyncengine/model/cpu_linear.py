@@ -70,6 +70,11 @@ class PackedLinear(nn.Module):
         self._native = prepare_linear_cpu(linear.weight, self.bias, self.packed_weight)
 
     @property
+    def native(self) -> LinearCpu | None:
+        """The native kernels' product over this weight; None where they do not apply."""
+        return self._native
+
+    @property
     def native_max_rows(self) -> int:
         """The most rows a product runs in the native kernel for (0 where it has none)."""
         native = self._native

@@ -1,15 +1,17 @@
 """The lean CPU forward's decoder layers in one native call (`kernels/csrc/decode_layers.c`).
 
-On CPUs without AVX512-BF16 the bf16 linear layers run on the dense native kernel
-(`NativeDenseLinear`), and a decode step is nine kernel calls a layer. Made from Python, each
-call costs more interpreter, ctypes and allocation time than a one-row norm or activation
-takes (about 8 ms of a 25 ms SmolLM2 step on 2 Zen 3 cores). `NativeDecodeLayers` runs the
-same kernels in the same order from C, on buffers allocated once per step, so its numbers are
-`CpuForward`'s Python loop's to the bit.
+A decode step is six to nine kernel calls a layer. Made from Python, each call costs more
+interpreter, ctypes and allocation time than a one-row norm or activation takes (about 8 ms of
+a 25 ms SmolLM2 step on 2 Zen 3 cores). `NativeDecodeLayers` runs the same kernels in the same
+order from C, on buffers allocated once per step, so its numbers are `CpuForward`'s Python
+loop's to the bit.
 
-It applies to a model whose every projection is a `NativeDenseLinear` (bf16) with one eps,
-head-norm eps and attention scale across its layers, and to a step with no prefill chunk long
-enough for SDPA and fewer than MAX_TOKENS tokens; `CpuForward` runs its Python loop otherwise.
+It applies to a bf16 model whose every projection runs on a native kernel: `NativeDenseLinear`
+(CPUs without AVX512-BF16) or a `PackedLinear` whose product the native kernels take
+(`PackedLinear.native`, AVX512-BF16 CPUs), with one eps, head-norm eps and attention scale
+across its layers; and to a step with no prefill chunk long enough for SDPA and fewer tokens
+than MAX_TOKENS and than the packed layers' `native_max_rows` allows (4 on CPUs with AMX,
+where oneDNN's tile kernels take more rows). `CpuForward` runs its Python loop otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from asyncengine.kernels.cpu_native import NativeKernels, load_native
 from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS, decode_layers_bf16
 from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
 from asyncengine.model.attention import AttentionMetadata
-from asyncengine.model.cpu_linear import NativeDenseLinear
+from asyncengine.model.cpu_linear import NativeDenseLinear, PackedLinear
 from asyncengine.model.lean_layer import LeanLayer
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
@@ -37,15 +39,17 @@ class NativeDecodeLayers:
         self,
         lib: NativeKernels,
         table: torch.Tensor,  # [L, len(LAYER_FIELDS)] int64 addresses, kv_cache filled per step
-        keep: list[torch.Tensor],  # the tensors `table` points into
+        keep: list[object],  # what `table` points into
         dims: tuple[int, int, int, int, int],  # hidden, H_q, H_kv, D, intermediate
         eps: float,
         head_eps: float,
         scale: float,
+        max_tokens: int,  # the most tokens of a step it runs
     ) -> None:
         self._lib = lib
         self._table = table
         self._keep = keep
+        self.max_tokens = max_tokens
         self._dims = dims
         self._eps, self._head_eps, self._scale = eps, head_eps, scale
 
@@ -53,7 +57,7 @@ class NativeDecodeLayers:
     def build(cls, layers: list[LeanLayer], head_dim: int) -> NativeDecodeLayers | None:
         """For `CpuForward`'s LeanLayers; None where the model is not one this runs."""
         lib = load_native()
-        if lib is None or not lib.linear_dense_simd or not layers:
+        if lib is None or not layers:
             return None
         first = layers[0]
         if any(
@@ -62,10 +66,11 @@ class NativeDecodeLayers:
         ):
             return None
         rows: list[list[int]] = []
-        keep: list[torch.Tensor] = []
+        keep: list[object] = []
         dims: set[tuple[int, int, int, int, int]] = set()
+        row_limits = [MAX_TOKENS - 1]  # the most tokens of a step it runs, and the layers' own
         for layer in layers:
-            row = _layer_row(layer, head_dim, keep)
+            row = _layer_row(layer, head_dim, keep, row_limits)
             if row is None:
                 return None
             fields, layer_dims = row
@@ -74,7 +79,10 @@ class NativeDecodeLayers:
         if len(dims) != 1:
             return None
         table = torch.tensor(rows, dtype=torch.int64)
-        return cls(lib, table, keep, dims.pop(), first.eps, first.head_eps, first.scale)
+        return cls(
+            lib, table, keep, dims.pop(), first.eps, first.head_eps, first.scale,
+            min(row_limits),
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -90,7 +98,7 @@ class NativeDecodeLayers:
         plan, caches = attn.plan, attn.kv_caches
         if not isinstance(plan, CpuAttentionPlan) or plan.prefills:
             return None
-        if not 0 < num_tokens < MAX_TOKENS:
+        if not 0 < num_tokens <= self.max_tokens:
             return None
         if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
             return None
@@ -108,9 +116,10 @@ class NativeDecodeLayers:
 
 
 def _layer_row(
-    layer: LeanLayer, head_dim: int, keep: list[torch.Tensor]
+    layer: LeanLayer, head_dim: int, keep: list[object], row_limits: list[int]
 ) -> tuple[list[int], tuple[int, int, int, int, int]] | None:
-    """One layer's row of addresses and its dims; None where a part is not one it runs."""
+    """One layer's row of addresses and its dims; None where a part is not one it runs. The
+    packed projections' `native_max_rows` go into `row_limits`."""
     fields = [0] * len(LAYER_FIELDS)
 
     def put(name: str, tensor: torch.Tensor | None) -> bool:
@@ -123,12 +132,26 @@ def _layer_row(
         return True
 
     def put_linear(prefix: str, module: object, in_features: int) -> int | None:
-        """The layer's weight and bias; its output width, None where it is not dense native
-        or does not read `in_features` values."""
-        if type(module) is not NativeDenseLinear or module.in_features != in_features:
+        """The layer's weight, bias and packed extent; its output width, None where no
+        native kernel takes it or it does not read `in_features` values."""
+        if type(module) is NativeDenseLinear:
+            if module.in_features != in_features:
+                return None
+            if not (put(f"{prefix}_w", module.packed) and put(f"{prefix}_b", module.bias)):
+                return None
+            return int(module.out_features)
+        if type(module) is not PackedLinear or module.in_features != in_features:
             return None
-        if not (put(f"{prefix}_w", module.packed) and put(f"{prefix}_b", module.bias)):
+        native = module.native
+        if native is None or module.native_max_rows < 1:
             return None
+        if module.bias is not None and module.bias.dtype != torch.bfloat16:
+            return None
+        keep.append(native)
+        fields[_FIELD[f"{prefix}_w"]] = native.address
+        fields[_FIELD[f"{prefix}_b"]] = native.bias_address
+        fields[_FIELD[f"{prefix}_kp"]] = native.packed_k
+        row_limits.append(module.native_max_rows)
         return int(module.out_features)
 
     if not (put("in_norm", layer.input_norm) and put("post_norm", layer.post_norm)):

@@ -72,12 +72,16 @@ void ae_dense_panel_order(int32_t *order);
 /* linear.c (bf16 only, over oneDNN's packed weights) */
 /* decode_layers.c: the lean forward's decoder layers in one call. `layers` is [num_layers]
  * rows of AE_LAYER_FIELDS addresses (0 for absent: a joint q/k/v weight leaves K_W and V_W 0,
- * a joint gate/up weight leaves UP_W 0; biases and Qwen3's head norms may be 0). */
+ * a joint gate/up weight leaves UP_W 0; biases and Qwen3's head norms may be 0). A weight's
+ * *_KP field says which kernel reads it: 0, linear_dense.c's panels; else linear.c's blocks,
+ * with that padded input extent. */
 enum ae_layer_field {
     AE_LAYER_IN_NORM, AE_LAYER_POST_NORM, AE_LAYER_Q_W, AE_LAYER_K_W, AE_LAYER_V_W,
     AE_LAYER_Q_B, AE_LAYER_K_B, AE_LAYER_V_B, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_GATE_W,
     AE_LAYER_UP_W, AE_LAYER_GATE_B, AE_LAYER_UP_B, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B,
-    AE_LAYER_Q_NORM, AE_LAYER_K_NORM, AE_LAYER_KV_CACHE, AE_LAYER_FIELDS
+    AE_LAYER_Q_NORM, AE_LAYER_K_NORM, AE_LAYER_KV_CACHE, AE_LAYER_Q_KP, AE_LAYER_K_KP,
+    AE_LAYER_V_KP, AE_LAYER_O_KP, AE_LAYER_GATE_KP, AE_LAYER_UP_KP, AE_LAYER_DOWN_KP,
+    AE_LAYER_FIELDS
 };
 int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, int64_t hidden,
                           int64_t hq, int64_t hkv, int64_t d, int64_t inter, void *residual,

@@ -1,11 +1,11 @@
 /*
  * The lean CPU forward's decoder layers in one call (ae_decode_layers_bf16), for bf16 models
- * whose linear layers run on the dense kernel (linear_dense.c) and whose step has no long
- * prefill chunk.
+ * whose linear layers run on the native kernels (linear_dense.c's panels on AVX2 CPUs,
+ * linear.c's blocks on AVX512-BF16 ones) and whose step has no long prefill chunk.
  *
- * Why: a SmolLM2 decode step is 30 layers of nine kernel calls. From Python each call costs
- * 15-40 us of interpreter, ctypes and tensor allocation on top of its work (measured on 2
- * Zen 3 cores: a 576-wide RMSNorm takes 15 us through rms_norm_cpu against about 1 us of
+ * Why: a SmolLM2 decode step is 30 layers of six to nine kernel calls. From Python each call
+ * costs 15-40 us of interpreter, ctypes and tensor allocation on top of its work (measured on
+ * 2 Zen 3 cores: a 576-wide RMSNorm takes 15 us through rms_norm_cpu against about 1 us of
  * arithmetic), about 8 ms of a 25 ms step. Here the same kernels run in the same order on the
  * same buffers, so the numbers are the Python loop's to the bit
  * (tests/model/test_decode_layers.py), without the interpreter between them. Back-to-back
@@ -17,18 +17,51 @@
  * k (after Qwen3's per-head norms) with the cache write of k and v; paged attention; residual +=
  * attn @ Wo, x = norm(residual); act = silu(x @ Wg) * (x @ Wu); mlp_out = act @ Wd. The last
  * layer's mlp_out is left to the caller, which adds it and takes the final norm on the rows it
- * samples.
+ * samples. Over linear.c's weights, a product and what follows it run as one of its fused
+ * calls where the Python loop uses them (ae_linear_add_rms_norm_bf16, ae_linear_silu_bf16):
+ * the same numbers as the two steps, in one thread team.
  */
 
 #include <stdint.h>
 
 #include "ae_kernels.h"
 
-/* One product into `out` (row stride ldo); nonzero where the kernel had no memory. */
-static int linear(const void *x, int64_t ldx, int64_t T, int64_t w, int64_t b, int64_t N,
-                  int64_t K, void *out, int64_t ldo, int threads) {
-    return ae_linear_bf16_dense(x, ldx, T, (const void *)w, N, K, (const void *)b, out, ldo,
-                                threads);
+/* A weight as the table gives it: its address, its bias (0: none) and, for linear.c's layout,
+ * its padded input extent (0: linear_dense.c's panels). */
+struct weight {
+    const void *w, *b;
+    int64_t kp;
+};
+
+static struct weight weight_at(const int64_t *p, int w, int b, int kp) {
+    return (struct weight){(const void *)p[w], (const void *)p[b], p[kp]};
+}
+
+/* out = x @ W^T + b, T rows of K into N columns (row strides ldx, ldo); nonzero where the
+ * kernel had no memory. */
+static int product(const void *x, int64_t ldx, int64_t T, struct weight wt, int64_t N,
+                   int64_t K, void *out, int64_t ldo, int threads) {
+    if (wt.kp) {
+        ae_linear_bf16(x, ldx, T, wt.w, N, K, wt.kp, wt.b, out, ldo, threads);
+        return 0;
+    }
+    return ae_linear_bf16_dense(x, ldx, T, wt.w, N, K, wt.b, out, ldo, threads);
+}
+
+/* residual += x @ W^T + b; out = RMSNorm(residual) * norm (N columns, all buffers of row
+ * stride N): in one call where linear.c has it fused (as PackedLinear.add_rms_norm: N a
+ * multiple of 16), else the product into `buf` then ae_add_rms_norm. */
+static int product_add_norm(const void *x, int64_t ldx, int64_t T, struct weight wt, int64_t N,
+                            int64_t K, void *buf, void *residual, const void *norm, float eps,
+                            void *out, int threads) {
+    if (wt.kp && N % 16 == 0) {
+        ae_linear_add_rms_norm_bf16(x, ldx, T, wt.w, N, K, wt.kp, wt.b, buf, residual, N, norm,
+                                    eps, out, N, threads);
+        return 0;
+    }
+    if (product(x, ldx, T, wt, N, K, buf, N, threads)) return -1;
+    ae_add_rms_norm(AE_BF16, buf, N, residual, N, out, N, norm, T, N, eps, threads);
+    return 0;
 }
 
 int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, int64_t hidden,
@@ -39,6 +72,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                           const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
                           int64_t num_seqs, float eps, float head_eps, float scale,
                           int threads) {
+    if (num_layers <= 0) return 0;
     uint16_t *residual = (uint16_t *)residual_, *mlp_out = (uint16_t *)mlp_out_;
     const int64_t qkv_w = (hq + 2 * hkv) * d, q_w = hq * d, kv_w = hkv * d;
     /* The scratch, in order: x [T, hidden], qkv [T, qkv_w], attn [T, q_w], o [T, hidden],
@@ -52,22 +86,26 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *p = layers + l * AE_LAYER_FIELDS;
         const void *in_norm = (const void *)p[AE_LAYER_IN_NORM];
-        if (l == 0)
+        if (l == 0) {
             ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps, threads);
-        else
-            ae_add_rms_norm(AE_BF16, mlp_out, hidden, residual, hidden, x, hidden, in_norm, T,
-                            hidden, eps, threads);
-        if (p[AE_LAYER_K_W] == 0) { /* q, k and v side by side in one weight */
-            if (linear(x, hidden, T, p[AE_LAYER_Q_W], p[AE_LAYER_Q_B], qkv_w, hidden, qkv, qkv_w,
-                       threads))
+        } else { /* the layer before's down projection, its residual add and this norm */
+            const int64_t *before = p - AE_LAYER_FIELDS;
+            struct weight down =
+                weight_at(before, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B, AE_LAYER_DOWN_KP);
+            if (product_add_norm(act, inter, T, down, hidden, inter, mlp_out, residual,
+                                 in_norm, eps, x, threads))
                 return -1;
-        } else if (linear(x, hidden, T, p[AE_LAYER_Q_W], p[AE_LAYER_Q_B], q_w, hidden, qkv,
-                          qkv_w, threads) ||
-                   linear(x, hidden, T, p[AE_LAYER_K_W], p[AE_LAYER_K_B], kv_w, hidden,
-                          qkv + q_w, qkv_w, threads) ||
-                   linear(x, hidden, T, p[AE_LAYER_V_W], p[AE_LAYER_V_B], kv_w, hidden,
-                          qkv + q_w + kv_w, qkv_w, threads)) {
-            return -1;
+        }
+        struct weight q = weight_at(p, AE_LAYER_Q_W, AE_LAYER_Q_B, AE_LAYER_Q_KP);
+        if (p[AE_LAYER_K_W] == 0) { /* q, k and v side by side in one weight */
+            if (product(x, hidden, T, q, qkv_w, hidden, qkv, qkv_w, threads)) return -1;
+        } else {
+            struct weight k = weight_at(p, AE_LAYER_K_W, AE_LAYER_K_B, AE_LAYER_K_KP);
+            struct weight v = weight_at(p, AE_LAYER_V_W, AE_LAYER_V_B, AE_LAYER_V_KP);
+            if (product(x, hidden, T, q, q_w, hidden, qkv, qkv_w, threads) ||
+                product(x, hidden, T, k, kv_w, hidden, qkv + q_w, qkv_w, threads) ||
+                product(x, hidden, T, v, kv_w, hidden, qkv + q_w + kv_w, qkv_w, threads))
+                return -1;
         }
         void *cache = (void *)p[AE_LAYER_KV_CACHE];
         ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
@@ -77,28 +115,32 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv, num_blocks,
                            block_size, d, hq / hkv, q_start, q_lens, seq_lens, block_table,
                            bt_stride, num_seqs, scale, threads);
-        if (linear(attn, q_w, T, p[AE_LAYER_O_W], p[AE_LAYER_O_B], hidden, q_w, o, hidden,
-                   threads))
+        struct weight wo = weight_at(p, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_O_KP);
+        if (product_add_norm(attn, q_w, T, wo, hidden, q_w, o, residual,
+                             (const void *)p[AE_LAYER_POST_NORM], eps, x, threads))
             return -1;
-        ae_add_rms_norm(AE_BF16, o, hidden, residual, hidden, x, hidden,
-                        (const void *)p[AE_LAYER_POST_NORM], T, hidden, eps, threads);
+        struct weight gate = weight_at(p, AE_LAYER_GATE_W, AE_LAYER_GATE_B, AE_LAYER_GATE_KP);
         if (p[AE_LAYER_UP_W] == 0) { /* gate and up side by side in one weight */
-            if (linear(x, hidden, T, p[AE_LAYER_GATE_W], p[AE_LAYER_GATE_B], 2 * inter, hidden,
-                       gate_up, 2 * inter, threads))
+            if (gate.kp && inter % 64 == 0) { /* linear.c's fused silu: whole column blocks */
+                ae_linear_silu_bf16(x, hidden, T, gate.w, 2 * inter, hidden, gate.kp, gate.b,
+                                    act, inter, threads);
+                continue;
+            }
+            if (product(x, hidden, T, gate, 2 * inter, hidden, gate_up, 2 * inter, threads))
                 return -1;
-        } else if (linear(x, hidden, T, p[AE_LAYER_GATE_W], p[AE_LAYER_GATE_B], inter, hidden,
-                          gate_up, 2 * inter, threads) ||
-                   linear(x, hidden, T, p[AE_LAYER_UP_W], p[AE_LAYER_UP_B], inter, hidden,
-                          gate_up + inter, 2 * inter, threads)) {
-            return -1;
+        } else {
+            struct weight up = weight_at(p, AE_LAYER_UP_W, AE_LAYER_UP_B, AE_LAYER_UP_KP);
+            if (product(x, hidden, T, gate, inter, hidden, gate_up, 2 * inter, threads) ||
+                product(x, hidden, T, up, inter, hidden, gate_up + inter, 2 * inter, threads))
+                return -1;
         }
         ae_silu_mul(AE_BF16, gate_up, 2 * inter, gate_up + inter, 2 * inter, act, inter, T,
                     inter, threads);
-        if (linear(act, inter, T, p[AE_LAYER_DOWN_W], p[AE_LAYER_DOWN_B], hidden, inter,
-                   mlp_out, hidden, threads))
-            return -1;
     }
-    return 0;
+    /* The last layer's down projection, for the caller. */
+    const int64_t *last = layers + (num_layers - 1) * AE_LAYER_FIELDS;
+    struct weight down = weight_at(last, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B, AE_LAYER_DOWN_KP);
+    return product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads);
 }
 
 int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,

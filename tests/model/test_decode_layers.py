@@ -15,23 +15,31 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.kernels.cpu_native import CSRC
+from asyncengine.kernels.cpu_native import CSRC, load_native
 from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS
 from asyncengine.kernels.linear_dense_cpu import dense_kernels
 from asyncengine.model import cpu_forward, cpu_linear, decode_layers
 from asyncengine.testing.models import TINY_ARCHITECTURES
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
-needs_dense = pytest.mark.skipif(
-    dense_kernels() is None, reason="the native kernels were built without AVX2 and FMA"
-)
 
-
-@pytest.fixture(autouse=True)
-def _dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 layers on the dense kernel, as on a CPU without AVX512-BF16, also where oneDNN
-    could pack them (the engines here run in-process, so the patch reaches their loader)."""
-    monkeypatch.setattr(cpu_linear, "_packing_works", lambda dtype: False)
+@pytest.fixture(autouse=True, params=["dense", "packed"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the bf16 layers run (the engines here run in-process, so the patches reach their
+    loader): "dense", on the AVX2 dense kernel as on a CPU without AVX512-BF16, also where
+    oneDNN could pack them; "packed", PackedLinear over linear.c's kernels (AVX512-BF16
+    builds), on CPUs with AMX with its native row limit raised so that steps of several
+    sequences run natively too (test_row_limit_is_the_packed_layers checks the real one)."""
+    if request.param == "dense":
+        if dense_kernels() is None:
+            pytest.skip("the native kernels were built without AVX2 and FMA")
+        monkeypatch.setattr(cpu_linear, "_packing_works", lambda dtype: False)
+    else:
+        lib = load_native()
+        if lib is None or not lib.linear_bf16_fast:
+            pytest.skip("the native kernel's fast path is not built (AVX512-BF16)")
+        monkeypatch.setattr(cpu_linear, "NATIVE_MAX_ROWS_AMX", cpu_linear.NATIVE_MAX_ROWS)
+    return str(request.param)
 
 
 def test_layer_fields_are_the_headers() -> None:
@@ -68,7 +76,6 @@ def _prompts() -> list[list[int]]:
     return [[7], [*shared, 61, 62, 63], list(range(100, 131)), [*shared, 90], [300, 301, 5]]
 
 
-@needs_dense
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_native_layers_give_the_python_loops_numbers(
@@ -89,7 +96,27 @@ def test_native_layers_give_the_python_loops_numbers(
     assert run() == native
 
 
-@needs_dense
+@pytest.mark.timeout(300)
+def test_widths_off_the_fused_kernels_blocks(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hidden width that is not a multiple of 16 and an MLP width not of 64: on packed
+    layers the products and norms run as separate calls there, still the loop's numbers."""
+    model_dir = tiny_model_factory(
+        "llama", hidden_size=72, intermediate_size=96, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=24,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    run = lambda: engine_tokens_and_logprobs(  # noqa: E731
+        model_dir, _prompts(), params, dtype="bfloat16", max_num_batched_tokens=16
+    )
+    spy = _Spy(monkeypatch)
+    native = run()
+    assert spy.ran > 5 and spy.declined == 0
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
+    assert run() == native
+
+
 @pytest.mark.timeout(300)
 def test_long_prefill_steps_run_the_python_loop(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
@@ -107,9 +134,8 @@ def test_long_prefill_steps_run_the_python_loop(
     assert engine_tokens_and_logprobs(model_dir, prompts, params, dtype="bfloat16") == native
 
 
-@needs_dense
 @pytest.mark.timeout(120)
-def test_it_takes_only_models_on_the_dense_kernel(
+def test_it_takes_only_bf16_models_with_one_eps(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
     """fp32 weights, or layers that disagree on their norm's eps: the Python loop."""
@@ -130,7 +156,6 @@ def test_it_takes_only_models_on_the_dense_kernel(
             llm.shutdown()
 
 
-@needs_dense
 @pytest.mark.timeout(300)
 def test_a_new_kv_cache_after_sleep_is_the_one_written(
     tiny_model_factory: Callable[..., Path],
@@ -146,5 +171,27 @@ def test_a_new_kv_cache_after_sleep_is_the_one_written(
         core.wake_up()
         after = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
         assert after == before
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_row_limit_is_the_packed_layers(
+    route: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On packed layers it runs steps of at most the rows their native kernel takes (4 with
+    AMX, where oneDNN's tile kernels win from a few rows up); else up to MAX_TOKENS - 1."""
+    if route == "packed":
+        monkeypatch.setattr(cpu_linear, "NATIVE_MAX_ROWS_AMX", 4)
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16")
+    try:
+        forward: Any = llm.engine.engine_core.executor.worker.model_runner.model
+        native = forward.native_layers
+        assert native is not None
+        if route == "dense":
+            assert native.max_tokens == decode_layers.MAX_TOKENS - 1
+            return
+        rows = {layer.native_max_rows for layer in forward.linear_layers()}
+        assert native.max_tokens == min(decode_layers.MAX_TOKENS - 1, *rows)
     finally:
         llm.shutdown()
