@@ -24,6 +24,11 @@ from typing import Any
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.models import QWEN2_05B
+
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m-shapes": (
         "llama",
@@ -38,19 +43,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
-    "qwen2.5-0.5b-shapes": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "qwen2.5-0.5b-shapes": ("qwen2", QWEN2_05B),
 }
 
 

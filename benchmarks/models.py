@@ -46,7 +46,8 @@ _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
     ),
 }
-_QWEN2_05B = dict(
+# Qwen2.5-0.5B's shapes (model d; benchmarks/gpu_engine.py builds them too).
+QWEN2_05B = dict(
     vocab_size=151936,
     hidden_size=896,
     intermediate_size=4864,
@@ -116,7 +117,7 @@ def _random_llama(name: str, cache_dir: Path) -> Path:
 
 def _random_qwen2_05b(cache_dir: Path) -> Path:
     target = cache_dir / "model-d"
-    spec = {"arch": "qwen2", "seed": _SEED, "dtype": "bfloat16", **_QWEN2_05B, "tok": "smollm2"}
+    spec = {"arch": "qwen2", "seed": _SEED, "dtype": "bfloat16", **QWEN2_05B, "tok": "smollm2"}
     marker = target / _MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return target
@@ -125,7 +126,7 @@ def _random_qwen2_05b(cache_dir: Path) -> Path:
     tokenizer_dir = _default_model()
     print(f"building benchmark model d ({describe('d')}) in {target} ...", file=sys.stderr)
     shutil.rmtree(target, ignore_errors=True)
-    build_tiny_model(target, "qwen2", seed=_SEED, dtype="bfloat16", **_QWEN2_05B)
+    build_tiny_model(target, "qwen2", seed=_SEED, dtype="bfloat16", **QWEN2_05B)
     _use_tokenizer_of(tokenizer_dir, target)
     marker.write_text(json.dumps(spec))
     return target
