@@ -142,10 +142,8 @@ def _layer_row(
             return int(module.out_features)
         if type(module) is not PackedLinear or module.in_features != in_features:
             return None
-        native = module.native
-        if native is None or module.native_max_rows < 1:
-            return None
-        if module.bias is not None and module.bias.dtype != torch.bfloat16:
+        native = module.native  # None unless bf16 weight and bias on the AVX512-BF16 build
+        if native is None:
             return None
         keep.append(native)
         fields[_FIELD[f"{prefix}_w"]] = native.address
