@@ -126,6 +126,7 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _i64, _int,  # int32 bitmask, its row stride in words, n, threads
     )),
     "ae_linear_bf16_fast": (_int, ()),
+    "ae_pool_test_delay_helpers": (_i64, (_i64,)),  # ns (tests: a preempted helper) -> taken over
     "ae_linear_bf16": (None, (
         _ptr, _i64, _i64,  # x, its row stride, rows
         _ptr, _i64, _i64, _i64,  # packed weight, N, K, packed K
@@ -189,6 +190,9 @@ class NativeKernels:
     dense_panel_order: tuple[int, ...]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
+    # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
+    # how many items the caller took over from helpers since the last call
+    pool_test_delay_helpers: Callable[[int], int]
 
 
 def compiler() -> str | None:
@@ -273,6 +277,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         dense_panel_order=_panel_order(_function(lib, "ae_dense_panel_order")),
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
+        pool_test_delay_helpers=_function(lib, "ae_pool_test_delay_helpers"),  # type: ignore[arg-type]
     )
 
 

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.kernels.cpu_native import NativeKernels, load_native, require_native
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +178,10 @@ def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     )
     want = weight.detach()[rows, cols].view(torch.int16)
     return packed_k if torch.equal(values[where], want) else None
+
+
+def delay_pool_helpers(ns: int) -> int:
+    """For tests: from now on the kernels' pool helpers (csrc/pool.c) sleep `ns` nanoseconds
+    after claiming an item, as a preempted thread would (0: not at all). Returns how many items
+    the callers took over from helpers since the last call."""
+    return int(require_native().pool_test_delay_helpers(ns))

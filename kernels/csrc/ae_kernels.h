@@ -95,6 +95,9 @@ int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t 
                                  int64_t inter);
 
 int ae_linear_bf16_fast(void);
+/* pool.c, for tests: helpers sleep `ns` after claiming an item, as if preempted there; returns
+ * how many items the calling thread took over from helpers since the last call */
+int64_t ae_pool_test_delay_helpers(int64_t ns);
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads);
 void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
@@ -107,6 +110,16 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  int num_threads);
 
 /* ---- Shared between the .c files, not called from Python ---- */
+
+/* attention.c: ae_paged_attention of bf16 on linear.c's work pool (pool.c), for
+ * decode_layers.c: query [T][hq * head_dim] rows of stride q_st, out of stride o_st (heads
+ * contiguous). 0 on success, -1 when out of memory. */
+int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *out,
+                            int64_t o_st, const void *kv_cache, int64_t num_kv_heads,
+                            int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                            const int64_t *q_start, const int32_t *q_lens,
+                            const int32_t *seq_lens, const int32_t *block_table,
+                            int64_t bt_stride, int64_t num_seqs, float scale, int num_threads);
 
 /* norms.c: row r of ae_add_rms_norm in the calling thread (linear.c's fused norm runs it). */
 void ae_add_rms_norm_row(int dt, const void *x, int64_t x_st, void *residual, int64_t r_st,

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "ae_kernels.h"
+#include "pool.h"
 #include "ae_vec.h"
 #include "fast_exp.h"
 
@@ -531,4 +532,244 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
         free(scores);
     }
     free(first_tile);
+}
+
+/* ---- The same items on linear.c's work pool (pool.c), for decode_layers.c's short steps ----
+ *
+ * attention_item is ae_paged_attention's loop body (the same attend_tile on the same rows, so
+ * the same numbers), run by whichever pool thread claims it and stored only on its commit.
+ * ae_paged_attention keeps its own loop: this one's checks and copies measured a few percent
+ * slower on prefill chunks and large batches, where the pool does not run anyway. */
+
+/* One call's work, shared by its (sequence, tile of query tokens, KV head) items. */
+struct attn_call {
+    const void *query;
+    void *out;
+    const char *k_base, *v_base;
+    const int64_t *first_tile; /* [num_seqs + 1]: how many tiles the sequences before i have */
+    const int64_t *q_start;
+    const int32_t *q_lens, *seq_lens, *block_table;
+    int64_t q_st, q_sh, o_st, o_sh, head_bytes, num_kv_heads, D, G, bs, TQ, ldk, ld_scores;
+    int64_t items, bt_stride, num_seqs, num_blocks;
+    int64_t rows; /* of query: T (the pool's copy) */
+    float scale;
+    int dt;
+};
+
+/* A thread's buffers for the items it runs. */
+struct attn_scratch {
+    float *q, *acc, *kt, *vb, *scores;
+    int32_t *blocks; /* the item's own copy of its block ids: ld_scores / bs of them at most */
+};
+
+static struct attn_call plan_call(int dt, const void *query, int64_t q_st, int64_t q_sh,
+                                  void *out, int64_t o_st, int64_t o_sh, const void *kv_cache,
+                                  int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                                  int64_t head_dim, int64_t group, const int64_t *q_start,
+                                  const int32_t *q_lens, const int32_t *seq_lens,
+                                  const int32_t *block_table, int64_t bt_stride,
+                                  int64_t num_seqs, float scale, int64_t *first_tile) {
+    struct attn_call c;
+    c.dt = dt, c.query = query, c.q_st = q_st, c.q_sh = q_sh, c.out = out, c.o_st = o_st;
+    c.o_sh = o_sh, c.num_kv_heads = num_kv_heads, c.D = head_dim, c.G = group;
+    c.bs = block_size, c.TQ = tile_tokens(group), c.q_start = q_start, c.q_lens = q_lens;
+    c.seq_lens = seq_lens, c.block_table = block_table, c.bt_stride = bt_stride;
+    c.scale = scale, c.first_tile = first_tile, c.num_seqs = num_seqs;
+    c.num_blocks = num_blocks, c.rows = 0;
+    c.head_bytes = num_blocks * block_size * head_dim * elem_size(dt);
+    c.k_base = (const char *)kv_cache;
+    c.v_base = c.k_base + num_kv_heads * c.head_bytes;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    c.ldk = (block_size + LANES - 1) / LANES * LANES;
+    /* whole blocks, plus 16 columns, so 16-wide score stores past a short block stay inside */
+    c.ld_scores = (max_len + block_size - 1) / block_size * block_size + LANES;
+    first_tile[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++)
+        first_tile[i + 1] = first_tile[i] + (q_lens[i] + c.TQ - 1) / c.TQ;
+    c.items = first_tile[num_seqs] * num_kv_heads;
+    return c;
+}
+
+/* The sequence of tile `tile`, searching from s (the last item's, or 0); -1 where the tables
+ * disagree (see attention_item). */
+static int64_t seq_of(const struct attn_call *c, int64_t tile, int64_t s) {
+    if (s < 0 || s >= c->num_seqs || tile < c->first_tile[s]) s = 0;
+    while (s < c->num_seqs && c->first_tile[s + 1] <= tile) s++;
+    return s < c->num_seqs && tile >= c->first_tile[s] ? s : -1;
+}
+
+/* Whether a tile of query tokens t0 .. t0 + nt of a sequence at query row `start`, `len` tokens
+ * visible to its last, over the `nblk` blocks `blocks`, can be run: rows of the query, lengths
+ * within the scores' width, blocks of the cache. A call's tables are consistent, so this only
+ * fails for a pool helper that was preempted inside an item until after its call returned,
+ * reading tables that the next call is rewriting (its results are then dropped, see pool.h):
+ * it must not turn them into addresses outside the buffers. Which is why an item reads each
+ * value of the tables once, into its own variables and memory, and checks those. */
+static int tile_is_sound(const struct attn_call *c, int64_t start, int64_t t0, int64_t nt,
+                         int64_t len, const int32_t *blocks, int64_t nblk) {
+    if (nt < 1 || nt > c->TQ || t0 < 0 || start < 0 || start + t0 + nt > c->rows ||
+        len - nt < 0 || len > c->ld_scores - LANES || nblk > c->bt_stride)
+        return 0;
+    for (int64_t b = 0; b < nblk; b++)
+        if (blocks[b] < 0 || blocks[b] >= c->num_blocks) return 0;
+    return 1;
+}
+
+/*
+ * Item `it`: its tile's query rows against its KV head's keys and values, into `out` if
+ * `commit` allows (see pool.h). *s: the sequence search's start (updated). `nx`:
+ * the item this thread runs next (-1: none), whose blocks are fetched meanwhile; `in_l2`:
+ * this item's blocks were fetched so by the one before.
+ */
+static void attention_item(const struct attn_call *c, int64_t it, int64_t *s,
+                           const struct attn_scratch *sc, int64_t nx, int in_l2,
+                           const struct ae_commit *commit) {
+    const int64_t D = c->D, G = c->G, TQ = c->TQ, es = elem_size(c->dt);
+    const int64_t tile = it / c->num_kv_heads, h = it % c->num_kv_heads;
+    const int64_t sq = seq_of(c, tile, *s);
+    if (sq < 0) return; /* tables being rewritten: see tile_is_sound */
+    *s = sq;
+    /* each value of the tables read once (see tile_is_sound) */
+    const int64_t start = c->q_start[sq], q_len = c->q_lens[sq], seq_len = c->seq_lens[sq];
+    const int64_t t0 = (tile - c->first_tile[sq]) * TQ; /* the tile's first query token */
+    const int64_t nt = q_len - t0 < TQ ? q_len - t0 : TQ;
+    const int64_t len_max = seq_len - q_len + t0 + nt; /* what the tile's last token sees */
+    const int64_t nblk = len_max < 1 ? 0 : (len_max + c->bs - 1) / c->bs;
+    int32_t *blocks = sc->blocks;
+    if (nblk <= c->bt_stride)
+        memcpy(blocks, c->block_table + sq * c->bt_stride, (size_t)nblk * sizeof(int32_t));
+    if (!tile_is_sound(c, start, t0, nt, len_max, blocks, nblk)) return;
+    struct next_item next = {0};
+    const int64_t ns = nx >= 0 && nx < c->items ? seq_of(c, nx / c->num_kv_heads, sq) : -1;
+    if (ns >= 0) {
+        const int64_t next_tile = nx / c->num_kv_heads, nh = nx % c->num_kv_heads;
+        next.k_head = c->k_base + nh * c->head_bytes;
+        next.v_head = c->v_base + nh * c->head_bytes;
+        next.blocks = c->block_table + ns * c->bt_stride;
+        /* the blocks that tile sees: up to its last query token (causal) */
+        const int64_t next_t0 = (next_tile - c->first_tile[ns]) * TQ;
+        const int64_t next_nt = c->q_lens[ns] - next_t0 < TQ ? c->q_lens[ns] - next_t0 : TQ;
+        const int64_t next_len = c->seq_lens[ns] - c->q_lens[ns] + next_t0 + next_nt;
+        next.nblk = (next_len + c->bs - 1) / c->bs;
+        if (next.nblk < 0 || next.nblk > c->bt_stride) next.nblk = 0; /* see tile_is_sound */
+    }
+    const int64_t R = nt * G;
+    int64_t row_len[8];
+    for (int64_t t = 0; t < nt; t++) row_len[t] = seq_len - q_len + t0 + t + 1;
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t row = start + t0 + t;
+        for (int64_t g = 0; g < G; g++) {
+            const char *src =
+                (const char *)c->query + (row * c->q_st + (h * G + g) * c->q_sh) * es;
+            float *qr = sc->q + (t * G + g) * D;
+            load_f32(src, qr, D, c->dt);
+            for (int64_t d = 0; d < D; d++) qr[d] *= c->scale;
+        }
+    }
+    const char *k_head = c->k_base + h * c->head_bytes, *v_head = c->v_base + h * c->head_bytes;
+    /* a constant dtype per call site, so its tests leave the inner loops */
+    if (c->dt == AE_BF16)
+        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_BF16,
+                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
+    else if (c->dt == AE_F32)
+        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_F32,
+                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
+    else
+        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_F16,
+                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
+    if (!ae_commit_begin(commit)) return; /* another thread stored this item */
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t row = start + t0 + t;
+        for (int64_t g = 0; g < G; g++) {
+            char *dst = (char *)c->out + (row * c->o_st + (h * G + g) * c->o_sh) * es;
+            store_f32(dst, sc->acc + (t * G + g) * D, D, c->dt);
+        }
+    }
+    ae_commit_end(commit);
+}
+
+/* This thread's buffers for items of call c, grown as needed (kept for the thread's life). */
+static struct attn_scratch thread_attn_scratch(const struct attn_call *c) {
+    static __thread float *buf;
+    static __thread size_t size;
+    const int64_t R_max = c->TQ * c->G, D = c->D;
+    const size_t q = (size_t)(R_max * D), kt = (size_t)(c->ldk * D), vb = (size_t)(c->bs * D);
+    const size_t floats = 2 * q + kt + vb + (size_t)(R_max * c->ld_scores) +
+                          (size_t)(c->ld_scores / c->bs + 1); /* the block ids (int32) */
+    if (floats > size) {
+        float *grown = realloc(buf, floats * sizeof(float));
+        if (grown == NULL) abort(); /* scratch for one item: no way on without it */
+        buf = grown;
+        size = floats;
+    }
+    float *scores = buf + 2 * q + kt + vb;
+    struct attn_scratch sc = {buf, buf + q, buf + 2 * q, buf + 2 * q + kt, scores,
+                              (int32_t *)(scores + R_max * c->ld_scores)};
+    memset(sc.kt, 0, kt * sizeof(float)); /* the padding columns of a key block must be 0 */
+    return sc;
+}
+
+static void attention_pool_item(const void *ctx, int64_t it, const struct ae_commit *commit) {
+    const struct attn_call *c = ctx;
+    const struct attn_scratch sc = thread_attn_scratch(c);
+    /* the item this thread ran before: if it was it - 1 of this job, it fetched our blocks */
+    static __thread uint64_t last_job;
+    static __thread int64_t last_item = -2;
+    const int in_l2 = commit->job != 0 && commit->job == last_job && last_item == it - 1;
+    last_job = commit->job, last_item = it;
+    int64_t s = 0;
+    attention_item(c, it, &s, &sc, it + 1, in_l2, commit); /* a thread's share is in order */
+}
+
+/*
+ * ae_paged_attention (bf16) on the pool (pool.c), for decode_layers.c: the same items and
+ * numbers, claimed by whichever thread is running. The query rows (hq * D values each, row
+ * stride q_st) and the sequences' lengths and blocks are copied into the pool's buffers first,
+ * as a helper preempted inside an item may read on after the call returned; the cache stays
+ * where it is (the model's). 0 on success, -1 when out of memory.
+ */
+int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *out,
+                            int64_t o_st, const void *kv_cache, int64_t num_kv_heads,
+                            int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                            const int64_t *q_start, const int32_t *q_lens,
+                            const int32_t *seq_lens, const int32_t *block_table,
+                            int64_t bt_stride, int64_t num_seqs, float scale, int num_threads) {
+    if (!ae_pool_acquire()) { /* another thread holds the pool: run on OpenMP */
+        ae_paged_attention(AE_BF16, query, q_st, head_dim, out, o_st, head_dim, kv_cache,
+                           num_kv_heads, num_blocks, block_size, head_dim, hq / num_kv_heads,
+                           q_start, q_lens, seq_lens, block_table, bt_stride, num_seqs, scale,
+                           num_threads);
+        return 0;
+    }
+    int64_t T = 0;
+    for (int64_t i = 0; i < num_seqs; i++)
+        if (q_start[i] + q_lens[i] > T) T = q_start[i] + q_lens[i];
+    const int64_t row = hq * head_dim;
+    uint16_t *q_copy = ae_pool_buffer(1, (size_t)(T * row) * 2);
+    const size_t meta = (size_t)(2 * num_seqs + 1) * sizeof(int64_t) +
+                        (size_t)(2 * num_seqs + num_seqs * bt_stride) * sizeof(int32_t);
+    char *m = ae_pool_buffer(2, meta);
+    if (q_copy == NULL || m == NULL) {
+        ae_pool_release();
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++)
+        memcpy(q_copy + t * row, (const uint16_t *)query + t * q_st, (size_t)row * 2);
+    int64_t *first_tile = (int64_t *)m, *starts = first_tile + num_seqs + 1;
+    int32_t *lens = (int32_t *)(starts + num_seqs), *qlens = lens + num_seqs;
+    int32_t *table = qlens + num_seqs;
+    memcpy(starts, q_start, (size_t)num_seqs * sizeof(int64_t));
+    memcpy(lens, seq_lens, (size_t)num_seqs * sizeof(int32_t));
+    memcpy(qlens, q_lens, (size_t)num_seqs * sizeof(int32_t));
+    memcpy(table, block_table, (size_t)(num_seqs * bt_stride) * sizeof(int32_t));
+    struct attn_call c =
+        plan_call(AE_BF16, q_copy, row, head_dim, out, o_st, head_dim, kv_cache, num_kv_heads,
+                  num_blocks, block_size, head_dim, hq / num_kv_heads, starts, qlens, lens,
+                  table, bt_stride, num_seqs, scale, first_tile);
+    c.rows = T;
+    const int team = c.items < num_threads ? (int)c.items : num_threads;
+    ae_pool_run(attention_pool_item, &c, sizeof c, c.items, team);
+    ae_pool_release();
+    return 0;
 }

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "ae_kernels.h"
+#include "pool.h"
 
 /* A weight as the table gives it: its address, its bias (0: none) and, for linear.c's layout,
  * its padded input extent (0: linear_dense.c's panels). */
@@ -64,6 +65,16 @@ static int product_add_norm(const void *x, int64_t ldx, int64_t T, struct weight
     return 0;
 }
 
+/* Over linear.c's weights, steps of up to AE_POOL_MAX_ROWS tokens run their products and
+ * attention on its work pool (pool.c), where no thread waits for one that is not running, and
+ * the small kernels between them (the first norm, rotary with the cache write: a few
+ * microseconds at these sizes) in the calling thread, so that no OpenMP region shares the
+ * cores with the pool's helpers, which spin for the next job meanwhile. Larger steps run every
+ * kernel on OpenMP, as the products do (linear.c's use_pool). */
+static int on_pool(const int64_t *p, int64_t T, int threads) {
+    return threads > 1 && p[AE_LAYER_Q_KP] && T <= AE_POOL_MAX_ROWS;
+}
+
 int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, int64_t hidden,
                           int64_t hq, int64_t hkv, int64_t d, int64_t inter, void *residual_,
                           void *scratch_, void *mlp_out_, const void *cos, const void *sin,
@@ -87,7 +98,8 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         const int64_t *p = layers + l * AE_LAYER_FIELDS;
         const void *in_norm = (const void *)p[AE_LAYER_IN_NORM];
         if (l == 0) {
-            ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps, threads);
+            ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps,
+                        on_pool(p, T, threads) ? 1 : threads);
         } else { /* the layer before's down projection, its residual add and this norm */
             const int64_t *before = p - AE_LAYER_FIELDS;
             struct weight down =
@@ -111,10 +123,17 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
                   (const void *)p[AE_LAYER_Q_NORM], (const void *)p[AE_LAYER_K_NORM], head_eps,
                   qkv + q_w + kv_w, qkv_w, d, cache, num_blocks, block_size, slot_mapping,
-                  threads);
-        ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv, num_blocks,
-                           block_size, d, hq / hkv, q_start, q_lens, seq_lens, block_table,
-                           bt_stride, num_seqs, scale, threads);
+                  on_pool(p, T, threads) ? 1 : threads);
+        if (on_pool(p, T, threads)) {
+            if (ae_paged_attention_pool(qkv, qkv_w, hq, attn, q_w, cache, hkv, num_blocks,
+                                        block_size, d, q_start, q_lens, seq_lens, block_table,
+                                        bt_stride, num_seqs, scale, threads))
+                return -1;
+        } else {
+            ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv, num_blocks,
+                               block_size, d, hq / hkv, q_start, q_lens, seq_lens, block_table,
+                               bt_stride, num_seqs, scale, threads);
+        }
         struct weight wo = weight_at(p, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_O_KP);
         if (product_add_norm(attn, q_w, T, wo, hidden, q_w, o, residual,
                              (const void *)p[AE_LAYER_POST_NORM], eps, x, threads))

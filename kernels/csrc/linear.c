@@ -25,13 +25,14 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
+
+#include "ae_kernels.h"
+#include "pool.h"
+#include "bf16.h"
+#include "fast_exp.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-#include "ae_kernels.h"
-#include "bf16.h"
-#include "fast_exp.h"
 
 #define BLOCK 64  /* output columns per packed block */
 #define MAX_ROWS 6 /* rows per pass over a block: 6 x 4 fp32 sums fill 24 of the 32 registers */
@@ -147,12 +148,38 @@ static void block_sums(const char *wb, int64_t P, const uint32_t *xp, int64_t M,
     }
 }
 
-/* x's M rows as k-pairs, zero padded to Kp (an odd K's last pair must not read past a row). */
-static uint32_t *rows_as_pairs(const void *x, int64_t x_st, int64_t M, int64_t K, int64_t P) {
-    uint32_t *xp = calloc((size_t)(M * P), sizeof(uint32_t));
-    for (int64_t m = 0; m < M; m++)
+/* x's M rows as k-pairs, zero padded to Kp (an odd K's last pair must not read past a row),
+ * into `xp` (M * P words). */
+static void fill_pairs(uint32_t *xp, const void *x, int64_t x_st, int64_t M, int64_t K,
+                       int64_t P) {
+    for (int64_t m = 0; m < M; m++) {
         memcpy(xp + m * P, (const uint16_t *)x + m * x_st, (size_t)K * 2);
+        if (2 * P > K) memset((uint16_t *)(xp + m * P) + K, 0, (size_t)(2 * P - K) * 2);
+    }
+}
+
+/* The rows as pairs where the kernels' threads read them: the pool's buffer when the caller
+ * holds the pool (`pooled`), else a fresh one (NULL: no memory). */
+static uint32_t *rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t M, int64_t K,
+                               int64_t P) {
+    const size_t bytes = (size_t)(M * P) * sizeof(uint32_t);
+    uint32_t *xp = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
+    if (xp) fill_pairs(xp, x, x_st, M, K, P);
     return xp;
+}
+
+/* This thread's scratch of at least `floats` floats (it only grows; kept for the thread's
+ * life). */
+static float *thread_scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t size;
+    if (floats > size) {
+        float *grown = realloc(buf, floats * sizeof(float));
+        if (grown == NULL) abort(); /* a few KB per thread: no way on without it */
+        buf = grown;
+        size = floats;
+    }
+    return buf;
 }
 
 /* Block b's outputs: its column sums (res, [M][64]) plus bias, rounded to bf16, into out's
@@ -177,43 +204,120 @@ static inline float product_value(const float *res, const void *bias, int64_t n)
     return bf16_to_f32(f32_to_bf16(v));
 }
 
-/* Threads for a product N columns wide: one 64-column block each at least. */
-static int team_size(int64_t N, int num_threads) {
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-    return blocks < num_threads ? (int)blocks : num_threads;
+/* Threads for `items` items: one item each at least. */
+static int team_size(int64_t items, int num_threads) {
+    return items < num_threads ? (int)items : num_threads;
 }
 
-/* Inside a parallel region: this thread's contiguous range of the product's 64-column blocks,
- * their sums, bias and rounding stored into out (row stride o_st). */
-static void product_share(const uint32_t *xp, int64_t P, int64_t M, const void *w, int64_t N,
-                          const void *bias, void *out, int64_t o_st) {
-#ifdef _OPENMP
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int64_t t = 0, nt = 1;
-#endif
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_bytes = P * 2 * BLOCK * 2;
-    float *res = malloc((size_t)(M * BLOCK) * sizeof(float));
-    for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-        block_sums((const char *)w + b * block_bytes, P, xp, M, res);
-        store_block(res, M, b, N, bias, out, o_st);
+/* Whether a product of M rows runs on the pool (pool.c): decode-sized ones, whose steps are
+ * short enough that a preempted thread would stall them; the caller then holds the pool and
+ * must release it. Larger ones run on OpenMP, a static split as the pool's shares are: their
+ * steps are long, and there the pool measured 5-10% slower (batches of 16-64 rows). */
+static int use_pool(int64_t M, int num_threads) {
+    return num_threads > 1 && M <= AE_POOL_MAX_ROWS && ae_pool_acquire();
+}
+
+/* fn(ctx, item, commit) for every item < n: on the pool where the caller holds it (`pooled`),
+ * else in an OpenMP team of up to num_threads, each thread a contiguous range of items. */
+static void run_items(int pooled, ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n,
+                      int num_threads) {
+    const int team = team_size(n, num_threads);
+    if (pooled) {
+        ae_pool_run(fn, ctx, ctx_bytes, n, team);
+        return;
     }
-    free(res);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const struct ae_commit alone = {0, i};
+        fn(ctx, i, &alone);
+    }
+}
+
+/* A product on the pool (pool.h): item i is `per_item` consecutive 64-column blocks. */
+struct product_job {
+    const uint32_t *xp;
+    int64_t P, M, N, o_st, per_item;
+    const void *w, *bias;
+    void *out;
+};
+
+static void product_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
+    const struct product_job *j = ctx;
+    const int64_t blocks = (j->N + BLOCK - 1) / BLOCK, block_bytes = j->P * 2 * BLOCK * 2;
+    const int64_t b0 = item * j->per_item;
+    const int64_t b1 = b0 + j->per_item < blocks ? b0 + j->per_item : blocks;
+    float *res = thread_scratch((size_t)((b1 - b0) * j->M * BLOCK));
+    for (int64_t b = b0; b < b1; b++)
+        block_sums((const char *)j->w + b * block_bytes, j->P, j->xp, j->M,
+                   res + (b - b0) * j->M * BLOCK);
+    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
+    for (int64_t b = b0; b < b1; b++)
+        store_block(res + (b - b0) * j->M * BLOCK, j->M, b, j->N, j->bias, j->out, j->o_st);
+    ae_commit_end(commit);
+}
+
+/* Items of one block each, unless there are more blocks than the pool takes at once. */
+static int64_t blocks_per_item(int64_t blocks) { return blocks <= 4096 ? 1 : (blocks + 4095) / 4096; }
+
+/* The product x @ W^T + bias into out, over the rows as pairs (xp): see run_items. */
+static void run_product(int pooled, const uint32_t *xp, int64_t P, int64_t M, const void *w,
+                        int64_t N, const void *bias, void *out, int64_t o_st, int num_threads) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, per_item = blocks_per_item(blocks);
+    const int64_t items = (blocks + per_item - 1) / per_item;
+    const struct product_job job = {xp, P, M, N, o_st, per_item, w, bias, out};
+    run_items(pooled, product_item, &job, sizeof job, items, num_threads);
 }
 
 /*
  * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
  * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
  * the packed k extent (even, >= K); bias: N values or NULL; out: [M][N], row stride o_st.
- * Work is split over the 64-column blocks, a contiguous range of them per thread.
+ * Work is split over the 64-column blocks, claimed one at a time by the pool's threads
+ * (pool.c: no thread waits for one that was preempted).
  */
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t P = Kp / 2;
-    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
-#pragma omp parallel num_threads(team_size(N, num_threads)) if (team_size(N, num_threads) > 1)
-    product_share(xp, P, M, w, N, bias, out, o_st);
-    free(xp);
+    const int pooled = use_pool(M, num_threads);
+    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    if (xp == NULL) abort(); /* a few KB: no way on without it */
+    run_product(pooled, xp, P, M, w, N, bias, out, o_st, num_threads);
+    if (pooled) ae_pool_release();
+    else free(xp);
+}
+
+/* The gated MLP's first half on the pool: item j is gate block j with up block j. */
+struct silu_job {
+    const uint32_t *xp;
+    int64_t P, M, inter, o_st;
+    const void *w, *bias;
+    void *out;
+};
+
+static void silu_item(const void *ctx, int64_t j, const struct ae_commit *commit) {
+    const struct silu_job *s = ctx;
+    const int64_t block_bytes = s->P * 2 * BLOCK * 2, pairs = s->inter / BLOCK;
+    float *gate = thread_scratch((size_t)(2 * s->M * BLOCK));
+    float *up = gate + s->M * BLOCK;
+    block_sums((const char *)s->w + j * block_bytes, s->P, s->xp, s->M, gate);
+    block_sums((const char *)s->w + (pairs + j) * block_bytes, s->P, s->xp, s->M, up);
+    const int64_t n0 = j * BLOCK;
+    for (int64_t r = 0; r < s->M; r++) {
+        float *g = gate + r * BLOCK, *u = up + r * BLOCK;
+        for (int64_t c = 0; c < BLOCK; c++) {
+            g[c] = product_value(g + c, s->bias, n0 + c);
+            u[c] = product_value(u + c, s->bias, s->inter + n0 + c);
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < BLOCK; c++) g[c] = silu_f32(g[c]);
+        for (int64_t c = 0; c < BLOCK; c++) g[c] = bf16_to_f32(f32_to_bf16(g[c])) * u[c];
+    }
+    if (!ae_commit_begin(commit)) return;
+    for (int64_t r = 0; r < s->M; r++) {
+        uint16_t *o = (uint16_t *)s->out + r * s->o_st + n0;
+        for (int64_t c = 0; c < BLOCK; c++) o[c] = f32_to_bf16(gate[r * BLOCK + c]);
+    }
+    ae_commit_end(commit);
 }
 
 /*
@@ -221,56 +325,54 @@ void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64
  * columns i and I + i of the product x @ W^T + bias (W the joint [gate; up] weight, N = 2I
  * rows, I a multiple of 64), each rounded to bf16 as the product would store it, silu in fp32
  * rounded to bf16, the product rounded again: ae_linear_bf16 then ae_silu_mul's numbers, bit
- * for bit, without the [M][2I] intermediate or a second call. Each thread takes a range of
- * column blocks j and computes block j (gate) and block j + I/64 (up) together.
- * out: [M][I], row stride o_st.
+ * for bit, without the [M][2I] intermediate or a second call. Each item is a column block j:
+ * block j (gate) and block j + I/64 (up) together. out: [M][I], row stride o_st.
  */
 void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
                          int64_t K, int64_t Kp, const void *bias, void *out, int64_t o_st,
                          int num_threads) {
-    const int64_t P = Kp / 2, inter = N / 2;
-    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
-    const int64_t pairs = inter / BLOCK, block_bytes = P * 2 * BLOCK * 2;
-    const int threads = pairs < num_threads ? (int)pairs : num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        float *gate = malloc((size_t)(M * BLOCK) * sizeof(float));
-        float *up = malloc((size_t)(M * BLOCK) * sizeof(float));
-        for (int64_t j = pairs * t / nt; j < pairs * (t + 1) / nt; j++) {
-            block_sums((const char *)w + j * block_bytes, P, xp, M, gate);
-            block_sums((const char *)w + (pairs + j) * block_bytes, P, xp, M, up);
-            const int64_t n0 = j * BLOCK;
-            for (int64_t r = 0; r < M; r++) {
-                float *g = gate + r * BLOCK, *u = up + r * BLOCK;
-                for (int64_t c = 0; c < BLOCK; c++) {
-                    g[c] = product_value(g + c, bias, n0 + c);
-                    u[c] = product_value(u + c, bias, inter + n0 + c);
-                }
-#pragma omp simd
-                for (int64_t c = 0; c < BLOCK; c++) g[c] = silu_f32(g[c]);
-                uint16_t *o = (uint16_t *)out + r * o_st + n0;
-                for (int64_t c = 0; c < BLOCK; c++)
-                    o[c] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g[c])) * u[c]);
-            }
-        }
-        free(gate);
-        free(up);
-    }
-    free(xp);
+    const int64_t P = Kp / 2, inter = N / 2, pairs = inter / BLOCK;
+    const int pooled = pairs <= 4096 && use_pool(M, num_threads);
+    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    if (xp == NULL) abort();
+    const struct silu_job job = {xp, P, M, inter, o_st, w, bias, out};
+    run_items(pooled, silu_item, &job, sizeof job, pairs, num_threads);
+    if (pooled) ae_pool_release();
+    else free(xp);
+}
+
+/* The norm rows after the product, on the pool: item r is row r, computed in the thread's
+ * scratch from the residual row as it was, then stored (residual and out) on commit. */
+struct norm_job {
+    const void *product, *residual_in, *norm_weight; /* read: [M][N], [M][res_in_st] */
+    void *residual, *out;                             /* written on commit */
+    int64_t N, res_in_st, r_st, o_st;
+    float eps;
+};
+
+static void norm_item(const void *ctx, int64_t r, const struct ae_commit *commit) {
+    const struct norm_job *j = ctx;
+    const int64_t N = j->N;
+    float *wn = thread_scratch((size_t)(4 * N));
+    float *buf = wn + N, *other = buf + N;
+    uint16_t *res = (uint16_t *)(other + N), *out = res + N; /* N bf16 each: the last N floats */
+    for (int64_t i = 0; i < N; i++) wn[i] = bf16_to_f32(((const uint16_t *)j->norm_weight)[i]);
+    memcpy(res, (const uint16_t *)j->residual_in + r * j->res_in_st, (size_t)N * 2);
+    ae_add_rms_norm_row(AE_BF16, (const uint16_t *)j->product + r * N, N, res, N, out, N, wn,
+                        buf, other, 0, N, j->eps);
+    if (!ae_commit_begin(commit)) return;
+    memcpy((uint16_t *)j->residual + r * j->r_st, res, (size_t)N * 2);
+    memcpy((uint16_t *)j->out + r * j->o_st, out, (size_t)N * 2);
+    ae_commit_end(commit);
 }
 
 /*
  * A pre-norm decoder's projection into the residual stream and the norm after it, for
- * decode-sized batches: product = x @ W^T + bias (ae_linear_bf16, into `product`, [M][N]
+ * decode-sized batches: product = x @ W^T + bias (as ae_linear_bf16, into `product`, [M][N]
  * scratch), then `residual += product; out = RMSNorm(residual) * norm_weight` per row
- * (norms.c's ae_add_rms_norm_row): one call and one thread team instead of two, the rows' norms run
- * by the threads that just computed their columns. Same numbers as the two calls, bit for bit.
- * residual: [M][N], row stride r_st, updated in place; out: [M][N], row stride o_st.
+ * (norms.c's ae_add_rms_norm_row), both on the pool: one call instead of two. Same numbers as
+ * the two calls, bit for bit. residual: [M][N], row stride r_st, updated in place; out:
+ * [M][N], row stride o_st.
  */
 void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const void *w,
                                  int64_t N, int64_t K, int64_t Kp, const void *bias,
@@ -278,22 +380,53 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  const void *norm_weight, float eps, void *out, int64_t o_st,
                                  int num_threads) {
     const int64_t P = Kp / 2;
-    uint32_t *xp = rows_as_pairs(x, x_st, M, K, P);
-#pragma omp parallel num_threads(team_size(N, num_threads)) if (team_size(N, num_threads) > 1)
-    {
-        product_share(xp, P, M, w, N, bias, product, N);
-        float *wn = malloc((size_t)N * sizeof(float));
-        float *buf = malloc((size_t)N * sizeof(float));
-        float *other = malloc((size_t)N * sizeof(float));
-        for (int64_t i = 0; i < N; i++) wn[i] = bf16_to_f32(((const uint16_t *)norm_weight)[i]);
-#pragma omp barrier /* every column of every row is in `product` */
+    const int pooled = use_pool(M, num_threads);
+    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    if (xp == NULL) abort();
+    if (!pooled) { /* one OpenMP region: each thread its blocks, then its rows' norms */
+        const int64_t blocks = (N + BLOCK - 1) / BLOCK, per_item = blocks_per_item(blocks);
+        const int64_t items = (blocks + per_item - 1) / per_item;
+        const struct product_job pj = {xp, P, M, N, N, per_item, w, bias, product};
+        const int team = team_size(items, num_threads);
+#pragma omp parallel num_threads(team) if (team > 1)
+        {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++)
-            ae_add_rms_norm_row(AE_BF16, product, N, residual, r_st, out, o_st, wn, buf, other, r,
-                                N, eps);
-        free(wn);
-        free(buf);
-        free(other);
+            for (int64_t i = 0; i < items; i++) {
+                const struct ae_commit alone = {0, i};
+                product_item(&pj, i, &alone);
+            } /* (the loop's barrier: every column of every row is in `product`) */
+            float *wn = malloc((size_t)N * sizeof(float));
+            float *buf = malloc((size_t)N * sizeof(float));
+            float *other = malloc((size_t)N * sizeof(float));
+            for (int64_t i = 0; i < N; i++)
+                wn[i] = bf16_to_f32(((const uint16_t *)norm_weight)[i]);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                ae_add_rms_norm_row(AE_BF16, product, N, residual, r_st, out, o_st, wn, buf,
+                                    other, r, N, eps);
+            free(wn);
+            free(buf);
+            free(other);
+        }
+        free(xp);
+        return;
     }
-    free(xp);
+    run_product(pooled, xp, P, M, w, N, bias, product, N, num_threads);
+    /* The norm's helpers read the product and the residual rows from the pool's own copies
+     * (a helper preempted inside an item may read on after this call returned). */
+    const void *product_in = product, *residual_in = residual;
+    int64_t res_in_st = r_st;
+    if (M > 1) {
+        const size_t bytes = (size_t)(M * N) * 2;
+        uint16_t *p_copy = ae_pool_buffer(1, bytes), *r_copy = ae_pool_buffer(2, bytes);
+        if (p_copy == NULL || r_copy == NULL) abort();
+        memcpy(p_copy, product, bytes);
+        for (int64_t r = 0; r < M; r++)
+            memcpy(r_copy + r * N, (const uint16_t *)residual + r * r_st, (size_t)N * 2);
+        product_in = p_copy, residual_in = r_copy, res_in_st = N;
+    }
+    const struct norm_job job = {product_in, residual_in, norm_weight, residual, out,
+                                 N, res_in_st, r_st, o_st, eps};
+    run_items(1, norm_item, &job, sizeof job, M, num_threads);
+    ae_pool_release();
 }
