@@ -1,6 +1,6 @@
 /*
- * A work pool for the decode-sized products (linear.c) whose caller never waits for a thread
- * that is not running.
+ * A work pool for decode-sized steps (linear.c's products, attention.c's items for
+ * decode_layers.c) whose caller never waits for a thread that is not running.
  *
  * Why: an OpenMP region ends at a barrier, so a region is as slow as its slowest thread. On a
  * machine whose cores the engine shares (the API server, the client, anything else woken for a
@@ -11,7 +11,7 @@
  * one that runs 0.3 ms out of every 3.3 (the same share), 1.3 ms slower.
  *
  * Here the calling thread (the master) publishes a job of independent items; it and the
- * helpers claim items one at a time. Each item is computed into the thread's own scratch and
+ * helpers claim items one at a time, each from its own share first (see `shares`). Each item is computed into the thread's own scratch and
  * only then committed (its stores into shared memory), by whichever thread claims the commit
  * first (ae_commit_begin). When no item is left to claim, the master takes the ones still
  * open: it waits a little (about twice its own time per item) for a helper that is running,
@@ -24,9 +24,12 @@
  * What an item may read: the job's inputs stay valid only until the job ends, and a helper
  * preempted inside an item may run on after that (its commit then fails). So the inputs a job
  * function reads must stay mapped after the job: the products read model weights and the
- * pool's own copy of the rows (ae_pool_rows, which never shrinks or unmaps).
+ * pool's own copy of the rows (ae_pool_buffer, which never shrinks or unmaps), attention the
+ * KV cache and the pool's copies of its tables, each value checked before it becomes an
+ * address (the next call may be rewriting them: attention.c's tile_is_sound).
  *
- * Helpers wait for the next job spinning for SPIN_NS, then asleep on a condition variable:
+ * Helpers wait for the next job spinning for SPIN_NS (yielding the core to any other thread
+ * that wants it), then asleep on a condition variable:
  * back-to-back jobs (one decode step's products) find them awake, and between steps they give
  * the cores back. One master at a time: a second caller (another thread) gets 0 from
  * ae_pool_acquire and runs its items itself.
