@@ -551,9 +551,8 @@ struct attn_call {
     const int32_t *q_lens, *seq_lens, *block_table;
     int64_t q_st, q_sh, o_st, o_sh, head_bytes, num_kv_heads, D, G, bs, TQ, ldk, ld_scores;
     int64_t items, bt_stride, num_seqs, num_blocks;
-    int64_t rows; /* of query: T (the pool's copy) */
+    int64_t rows; /* of query (the pool's copy) */
     float scale;
-    int dt;
 };
 
 /* A thread's buffers for the items it runs. */
@@ -562,21 +561,22 @@ struct attn_scratch {
     int32_t *blocks; /* the item's own copy of its block ids: ld_scores / bs of them at most */
 };
 
-static struct attn_call plan_call(int dt, const void *query, int64_t q_st, int64_t q_sh,
+static struct attn_call plan_call(const void *query, int64_t q_st, int64_t q_sh,
                                   void *out, int64_t o_st, int64_t o_sh, const void *kv_cache,
                                   int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                                   int64_t head_dim, int64_t group, const int64_t *q_start,
                                   const int32_t *q_lens, const int32_t *seq_lens,
                                   const int32_t *block_table, int64_t bt_stride,
-                                  int64_t num_seqs, float scale, int64_t *first_tile) {
+                                  int64_t num_seqs, float scale, int64_t *first_tile,
+                                  int64_t rows) {
     struct attn_call c;
-    c.dt = dt, c.query = query, c.q_st = q_st, c.q_sh = q_sh, c.out = out, c.o_st = o_st;
+    c.query = query, c.q_st = q_st, c.q_sh = q_sh, c.out = out, c.o_st = o_st;
     c.o_sh = o_sh, c.num_kv_heads = num_kv_heads, c.D = head_dim, c.G = group;
     c.bs = block_size, c.TQ = tile_tokens(group), c.q_start = q_start, c.q_lens = q_lens;
     c.seq_lens = seq_lens, c.block_table = block_table, c.bt_stride = bt_stride;
     c.scale = scale, c.first_tile = first_tile, c.num_seqs = num_seqs;
-    c.num_blocks = num_blocks, c.rows = 0;
-    c.head_bytes = num_blocks * block_size * head_dim * elem_size(dt);
+    c.num_blocks = num_blocks, c.rows = rows;
+    c.head_bytes = num_blocks * block_size * head_dim * 2; /* bf16 */
     c.k_base = (const char *)kv_cache;
     c.v_base = c.k_base + num_kv_heads * c.head_bytes;
     int64_t max_len = 1;
@@ -591,7 +591,7 @@ static struct attn_call plan_call(int dt, const void *query, int64_t q_st, int64
     return c;
 }
 
-/* The sequence of tile `tile`, searching from s (the last item's, or 0); -1 where the tables
+/* The sequence of tile `tile`, searching from s (a hint, or 0); -1 where the tables
  * disagree (see attention_item). */
 static int64_t seq_of(const struct attn_call *c, int64_t tile, int64_t s) {
     if (s < 0 || s >= c->num_seqs || tile < c->first_tile[s]) s = 0;
@@ -618,18 +618,15 @@ static int tile_is_sound(const struct attn_call *c, int64_t start, int64_t t0, i
 
 /*
  * Item `it`: its tile's query rows against its KV head's keys and values, into `out` if
- * `commit` allows (see pool.h). *s: the sequence search's start (updated). `nx`:
- * the item this thread runs next (-1: none), whose blocks are fetched meanwhile; `in_l2`:
+ * `commit` allows (see pool.h). `nx`: the item this thread runs next (-1: none), whose blocks are fetched meanwhile; `in_l2`:
  * this item's blocks were fetched so by the one before.
  */
-static void attention_item(const struct attn_call *c, int64_t it, int64_t *s,
-                           const struct attn_scratch *sc, int64_t nx, int in_l2,
-                           const struct ae_commit *commit) {
-    const int64_t D = c->D, G = c->G, TQ = c->TQ, es = elem_size(c->dt);
+static void attention_item(const struct attn_call *c, int64_t it, const struct attn_scratch *sc,
+                           int64_t nx, int in_l2, const struct ae_commit *commit) {
+    const int64_t D = c->D, G = c->G, TQ = c->TQ, es = 2; /* bf16 */
     const int64_t tile = it / c->num_kv_heads, h = it % c->num_kv_heads;
-    const int64_t sq = seq_of(c, tile, *s);
+    const int64_t sq = seq_of(c, tile, 0);
     if (sq < 0) return; /* tables being rewritten: see tile_is_sound */
-    *s = sq;
     /* each value of the tables read once (see tile_is_sound) */
     const int64_t start = c->q_start[sq], q_len = c->q_lens[sq], seq_len = c->seq_lens[sq];
     const int64_t t0 = (tile - c->first_tile[sq]) * TQ; /* the tile's first query token */
@@ -663,27 +660,19 @@ static void attention_item(const struct attn_call *c, int64_t it, int64_t *s,
             const char *src =
                 (const char *)c->query + (row * c->q_st + (h * G + g) * c->q_sh) * es;
             float *qr = sc->q + (t * G + g) * D;
-            load_f32(src, qr, D, c->dt);
+            load_f32(src, qr, D, AE_BF16);
             for (int64_t d = 0; d < D; d++) qr[d] *= c->scale;
         }
     }
     const char *k_head = c->k_base + h * c->head_bytes, *v_head = c->v_base + h * c->head_bytes;
-    /* a constant dtype per call site, so its tests leave the inner loops */
-    if (c->dt == AE_BF16)
-        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_BF16,
-                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
-    else if (c->dt == AE_F32)
-        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_F32,
-                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
-    else
-        attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_F16,
-                    sc->kt, c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
+    attend_tile(sc->q, R, G, D, c->bs, row_len, len_max, k_head, v_head, blocks, AE_BF16, sc->kt,
+                c->ldk, sc->vb, sc->scores, c->ld_scores, sc->acc, &next, in_l2);
     if (!ae_commit_begin(commit)) return; /* another thread stored this item */
     for (int64_t t = 0; t < nt; t++) {
         const int64_t row = start + t0 + t;
         for (int64_t g = 0; g < G; g++) {
             char *dst = (char *)c->out + (row * c->o_st + (h * G + g) * c->o_sh) * es;
-            store_f32(dst, sc->acc + (t * G + g) * D, D, c->dt);
+            store_f32(dst, sc->acc + (t * G + g) * D, D, AE_BF16);
         }
     }
     ae_commit_end(commit);
@@ -718,8 +707,7 @@ static void attention_pool_item(const void *ctx, int64_t it, const struct ae_com
     static __thread int64_t last_item = -2;
     const int in_l2 = commit->job != 0 && commit->job == last_job && last_item == it - 1;
     last_job = commit->job, last_item = it;
-    int64_t s = 0;
-    attention_item(c, it, &s, &sc, it + 1, in_l2, commit); /* a thread's share is in order */
+    attention_item(c, it, &sc, it + 1, in_l2, commit); /* a thread's share is in order */
 }
 
 /*
@@ -763,11 +751,10 @@ int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *o
     memcpy(lens, seq_lens, (size_t)num_seqs * sizeof(int32_t));
     memcpy(qlens, q_lens, (size_t)num_seqs * sizeof(int32_t));
     memcpy(table, block_table, (size_t)(num_seqs * bt_stride) * sizeof(int32_t));
-    struct attn_call c =
-        plan_call(AE_BF16, q_copy, row, head_dim, out, o_st, head_dim, kv_cache, num_kv_heads,
+    const struct attn_call c =
+        plan_call(q_copy, row, head_dim, out, o_st, head_dim, kv_cache, num_kv_heads,
                   num_blocks, block_size, head_dim, hq / num_kv_heads, starts, qlens, lens,
-                  table, bt_stride, num_seqs, scale, first_tile);
-    c.rows = T;
+                  table, bt_stride, num_seqs, scale, first_tile, T);
     const int team = c.items < num_threads ? (int)c.items : num_threads;
     ae_pool_run(attention_pool_item, &c, sizeof c, c.items, team);
     ae_pool_release();

@@ -97,9 +97,10 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *p = layers + l * AE_LAYER_FIELDS;
         const void *in_norm = (const void *)p[AE_LAYER_IN_NORM];
+        const int pooled = on_pool(p, T, threads);
         if (l == 0) {
             ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps,
-                        on_pool(p, T, threads) ? 1 : threads);
+                        pooled ? 1 : threads);
         } else { /* the layer before's down projection, its residual add and this norm */
             const int64_t *before = p - AE_LAYER_FIELDS;
             struct weight down =
@@ -123,8 +124,8 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
                   (const void *)p[AE_LAYER_Q_NORM], (const void *)p[AE_LAYER_K_NORM], head_eps,
                   qkv + q_w + kv_w, qkv_w, d, cache, num_blocks, block_size, slot_mapping,
-                  on_pool(p, T, threads) ? 1 : threads);
-        if (on_pool(p, T, threads)) {
+                  pooled ? 1 : threads);
+        if (pooled) {
             if (ae_paged_attention_pool(qkv, qkv_w, hq, attn, q_w, cache, hkv, num_blocks,
                                         block_size, d, q_start, q_lens, seq_lens, block_table,
                                         bt_stride, num_seqs, scale, threads))

@@ -159,12 +159,13 @@ static void fill_pairs(uint32_t *xp, const void *x, int64_t x_st, int64_t M, int
 }
 
 /* The rows as pairs where the kernels' threads read them: the pool's buffer when the caller
- * holds the pool (`pooled`), else a fresh one (NULL: no memory). */
+ * holds the pool (`pooled`), else a fresh one for the caller to free. */
 static uint32_t *rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t M, int64_t K,
                                int64_t P) {
     const size_t bytes = (size_t)(M * P) * sizeof(uint32_t);
     uint32_t *xp = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
-    if (xp) fill_pairs(xp, x, x_st, M, K, P);
+    if (xp == NULL) abort(); /* a few KB: no way on without it */
+    fill_pairs(xp, x, x_st, M, K, P);
     return xp;
 }
 
@@ -256,8 +257,10 @@ static void product_item(const void *ctx, int64_t item, const struct ae_commit *
     ae_commit_end(commit);
 }
 
-/* Items of one block each, unless there are more blocks than the pool takes at once. */
-static int64_t blocks_per_item(int64_t blocks) { return blocks <= 4096 ? 1 : (blocks + 4095) / 4096; }
+/* Items of one block each, unless there are more blocks than the pool shares out at once. */
+static int64_t blocks_per_item(int64_t blocks) {
+    return blocks <= AE_POOL_MAX_ITEMS ? 1 : (blocks + AE_POOL_MAX_ITEMS - 1) / AE_POOL_MAX_ITEMS;
+}
 
 /* The product x @ W^T + bias into out, over the rows as pairs (xp): see run_items. */
 static void run_product(int pooled, const uint32_t *xp, int64_t P, int64_t M, const void *w,
@@ -272,15 +275,15 @@ static void run_product(int pooled, const uint32_t *xp, int64_t P, int64_t M, co
  * out[m][n] = sum_k x[m][k] * W[n][k] + bias[n], for m < M, n < N; bf16 throughout.
  * x: [M][K] with row stride x_st (elements); w: the packed weight described at the top, Kp
  * the packed k extent (even, >= K); bias: N values or NULL; out: [M][N], row stride o_st.
- * Work is split over the 64-column blocks, claimed one at a time by the pool's threads
- * (pool.c: no thread waits for one that was preempted).
+ * Work is split over the 64-column blocks: claimed one at a time by the pool's threads for up
+ * to AE_POOL_MAX_ROWS rows (pool.c: no thread waits for one that was preempted), else a
+ * contiguous range per OpenMP thread (see use_pool).
  */
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t P = Kp / 2;
     const int pooled = use_pool(M, num_threads);
     uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
-    if (xp == NULL) abort(); /* a few KB: no way on without it */
     run_product(pooled, xp, P, M, w, N, bias, out, o_st, num_threads);
     if (pooled) ae_pool_release();
     else free(xp);
@@ -332,9 +335,8 @@ void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, 
                          int64_t K, int64_t Kp, const void *bias, void *out, int64_t o_st,
                          int num_threads) {
     const int64_t P = Kp / 2, inter = N / 2, pairs = inter / BLOCK;
-    const int pooled = pairs <= 4096 && use_pool(M, num_threads);
+    const int pooled = pairs <= AE_POOL_MAX_ITEMS && use_pool(M, num_threads);
     uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
-    if (xp == NULL) abort();
     const struct silu_job job = {xp, P, M, inter, o_st, w, bias, out};
     run_items(pooled, silu_item, &job, sizeof job, pairs, num_threads);
     if (pooled) ae_pool_release();
@@ -370,7 +372,8 @@ static void norm_item(const void *ctx, int64_t r, const struct ae_commit *commit
  * A pre-norm decoder's projection into the residual stream and the norm after it, for
  * decode-sized batches: product = x @ W^T + bias (as ae_linear_bf16, into `product`, [M][N]
  * scratch), then `residual += product; out = RMSNorm(residual) * norm_weight` per row
- * (norms.c's ae_add_rms_norm_row), both on the pool: one call instead of two. Same numbers as
+ * (norms.c's ae_add_rms_norm_row), in one call instead of two: both on the pool (see use_pool),
+ * else in one OpenMP region whose threads norm the rows after their columns. Same numbers as
  * the two calls, bit for bit. residual: [M][N], row stride r_st, updated in place; out:
  * [M][N], row stride o_st.
  */
@@ -382,7 +385,6 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
     const int64_t P = Kp / 2;
     const int pooled = use_pool(M, num_threads);
     uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
-    if (xp == NULL) abort();
     if (!pooled) { /* one OpenMP region: each thread its blocks, then its rows' norms */
         const int64_t blocks = (N + BLOCK - 1) / BLOCK, per_item = blocks_per_item(blocks);
         const int64_t items = (blocks + per_item - 1) / per_item;

@@ -42,7 +42,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -53,7 +52,6 @@
 #include "ae_kernels.h"
 #include "pool.h"
 
-#define MAX_ITEMS 8192    /* items per job (callers split larger work into fewer items) */
 #define MAX_HELPERS 255   /* helper threads: the team less the master */
 #define CTX_BYTES 256     /* a job's context, copied by value into each helper */
 #define SPIN_NS 60000     /* how long an idle helper spins for the next job before it sleeps */
@@ -78,7 +76,7 @@ struct share {
 };
 static struct share shares[MAX_HELPERS + 1];
 /* Per item: job number << 2 | phase (0 open, 1 being committed, 2 done). */
-static _Atomic uint64_t item_state[MAX_ITEMS];
+static _Atomic uint64_t item_state[AE_POOL_MAX_ITEMS];
 /* Tests: how long each helper sleeps after it claims an item (ae_pool_test_delay_helpers). */
 static _Atomic int64_t test_helper_delay_ns;
 static _Atomic int64_t items_taken_over; /* items the master computed after a helper claimed them */
@@ -242,21 +240,20 @@ void ae_pool_release(void) { atomic_store(&master_busy, 0); }
 void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, int threads) {
     if (n <= 0) return;
     int helpers = threads - 1;
-    if (helpers > 0 && n > 1 && n <= MAX_ITEMS && ctx_bytes <= CTX_BYTES) {
+    if (helpers > 0 && n > 1 && n <= AE_POOL_MAX_ITEMS && ctx_bytes <= CTX_BYTES) {
         pthread_once(&fork_once, register_fork);
         helpers = ensure_helpers(helpers);
     } else {
         helpers = 0;
     }
     if (helpers <= 0) {
-        const struct ae_commit alone = {0, 0};
         for (int64_t i = 0; i < n; i++) {
-            struct ae_commit c = alone;
-            c.item = i;
-            fn(ctx, i, &c);
+            const struct ae_commit alone = {0, i};
+            fn(ctx, i, &alone);
         }
         return;
     }
+    const int team = helpers + 1;
     /* Publish: odd while writing, then the job's (even) value. */
     const uint64_t writing = atomic_load_explicit(&published, memory_order_relaxed) + 1;
     atomic_store_explicit(&published, writing, memory_order_relaxed);
@@ -268,10 +265,9 @@ void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, in
         atomic_store_explicit(&job_ctx[w], words[w], memory_order_relaxed);
     atomic_store_explicit(&job_fn, fn, memory_order_relaxed);
     atomic_store_explicit(&job_items, n, memory_order_relaxed);
-    atomic_store_explicit(&job_team, helpers + 1, memory_order_relaxed);
+    atomic_store_explicit(&job_team, team, memory_order_relaxed);
     for (int64_t i = 0; i < n; i++)
         atomic_store_explicit(&item_state[i], job << 2 | OPEN, memory_order_relaxed);
-    const int team = helpers + 1;
     for (int t = 0; t < team; t++)
         atomic_store_explicit(&shares[t].next, (job & 0xffffffffu) << 32 | (uint64_t)(n * t / team),
                               memory_order_relaxed);

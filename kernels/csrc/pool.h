@@ -15,6 +15,8 @@
 /* The most rows of a product (or query tokens of a step's attention) that run on the pool;
  * larger ones run on OpenMP (see linear.c's use_pool). */
 #define AE_POOL_MAX_ROWS 8
+/* The most items of one job that helpers share; a larger job runs in the caller alone. */
+#define AE_POOL_MAX_ITEMS 8192
 
 struct ae_commit {
     uint64_t job; /* 0: the caller runs every item alone */
