@@ -144,6 +144,12 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _float, _ptr, _i64,  # norm weight, eps, out, its row stride
         _int,  # threads
     )),
+    "ae_lm_head_argmax_bf16": (_i64, (
+        _ptr, _i64, _i64,  # x, its row stride, rows
+        _ptr, _ptr, _ptr,  # the int8 copy: q [blocks][K][64], scale, rnorm (fp32 [blocks * 64])
+        _ptr, _i64, _i64, _ptr,  # packed weight (as ae_linear_bf16), K, packed K, bias (or NULL)
+        _i64, _ptr, _int,  # vocab (columns searched), out (int64 [rows]), threads
+    )),
     "ae_decode_layers_bf16": (_int, (
         _ptr, _i64, _i64, _i64,  # layers [L][AE_LAYER_FIELDS] (int64), L, tokens, hidden
         _i64, _i64, _i64, _i64,  # H_q, H_kv, D, intermediate
@@ -188,6 +194,7 @@ class NativeKernels:
     linear_dense_simd: bool
     # where column j of a dense panel sits among the 16 values of one k (ae_dense_panel_order)
     dense_panel_order: tuple[int, ...]
+    lm_head_argmax_bf16: Callable[..., int]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
@@ -275,6 +282,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_bf16_dense=_function(lib, "ae_linear_bf16_dense"),  # type: ignore[arg-type]
         linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
         dense_panel_order=_panel_order(_function(lib, "ae_dense_panel_order")),
+        lm_head_argmax_bf16=_function(lib, "ae_lm_head_argmax_bf16"),  # type: ignore[arg-type]
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
         pool_test_delay_helpers=_function(lib, "ae_pool_test_delay_helpers"),  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.kernels.lm_head_argmax_cpu import ARGMAX_MAX_ROWS, LmHeadArgmax
 from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 from asyncengine.kernels.rotary_cpu import rotary_cpu
 from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
@@ -88,6 +89,12 @@ class CpuForward:
         # The layers in one native call, where every projection is on a native linear kernel
         # (decode_layers.py); None: the Python loop below. Set it to None to compare.
         self.native_layers = NativeDecodeLayers.build(layers, head_dim)
+        # Greedy steps' tokens from an int8 screen of the lm_head (kernels/lm_head_argmax_cpu),
+        # where the lm_head is on the native kernels; None: logits always. Set it to None to
+        # compare.
+        self.lm_head_argmax = _lm_head_argmax(lm_head)
+        # Its row limit: also the lm_head's native one, so its indices are of the same logits.
+        self._argmax_rows = min(ARGMAX_MAX_ROWS, getattr(lm_head, "native_max_rows", 0))
 
     @classmethod
     def from_model(cls, model: nn.Module) -> CpuForward:
@@ -121,7 +128,11 @@ class CpuForward:
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
-    ) -> torch.Tensor:  # [S, V]
+        argmax_vocab: int | None = None,
+    ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
+        """The logits of the rows `logits_indices` names; with `argmax_vocab`, possibly their
+        greedy tokens instead: [S] int64, argmax over each row's first `argmax_vocab` logits
+        (first index on ties), the same indices as the argmax of the logits."""
         residual = F.embedding(input_ids, self._embed_weight)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
@@ -138,6 +149,11 @@ class CpuForward:
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)
         hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
+        screen = self.lm_head_argmax
+        if argmax_vocab is not None and screen is not None and hidden.shape[0] <= self._argmax_rows:
+            tokens = screen(hidden, argmax_vocab)
+            if tokens is not None:  # else a row's logits are not finite: compute them
+                return tokens
         logits: torch.Tensor = self._lm_head(hidden)
         return logits
 
@@ -167,6 +183,13 @@ class CpuForward:
             mlp = _mlp(layer, x)
         assert mlp is not None
         return mlp
+
+
+def _lm_head_argmax(lm_head: nn.Module) -> LmHeadArgmax | None:
+    """The int8 screen of a bf16 lm_head on the native kernels (see LmHeadArgmax), else None."""
+    if not isinstance(lm_head, PackedLinear) or lm_head.native is None:
+        return None
+    return LmHeadArgmax(lm_head.native)
 
 
 # Prefill steps run the MLP in row chunks of about this many tokens: its [T, 2 * I]

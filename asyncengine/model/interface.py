@@ -25,6 +25,12 @@ class ModelForward(Protocol):
     names the packed rows whose logits are wanted, in order (possibly none). The model writes
     every token's K/V into the paged cache and returns the logits of those rows only, in the
     model's dtype, the vocabulary possibly padded past the tokenizer's.
+
+    With `argmax_vocab` (the runner passes it when every row is sampled greedily with nothing
+    that changes the logits first), a model may return the rows' tokens instead of their
+    logits: [S] int64, each row's argmax over its first `argmax_vocab` logits, first index on
+    ties, exactly the argmax of the logits it would have returned (CpuForward does, through
+    an int8 screen of its lm_head).
     """
 
     def __call__(
@@ -33,5 +39,6 @@ class ModelForward(Protocol):
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
-    ) -> torch.Tensor:  # [S, V]
+        argmax_vocab: int | None = None,
+    ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         ...

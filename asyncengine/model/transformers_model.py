@@ -39,6 +39,7 @@ class TransformersModel:
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
+        argmax_vocab: int | None = None,  # always logits here
     ) -> torch.Tensor:  # [S, V]
         # transformers takes a batch: ours is one packed sequence, [1, T].
         out = self.module(

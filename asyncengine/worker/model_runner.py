@@ -28,7 +28,11 @@ from asyncengine.sched.output import (
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
-from asyncengine.worker.sampling_metadata import SamplingRequestState, build_sampling_metadata
+from asyncengine.worker.sampling_metadata import (
+    SamplingMetadata,
+    SamplingRequestState,
+    build_sampling_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +120,29 @@ class ModelRunner:
         batch = self._prepare_inputs(scheduler_output)
         # Only the driver rank samples: the others skip the lm_head entirely.
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
-        logits = self.model(batch.input_ids, batch.positions, batch.attn, keep)  # [S, V]
+        metadata = None
+        if self.is_driver and batch.sample_req_ids:
+            states = [self.requests[r].sampling for r in batch.sample_req_ids]
+            metadata = build_sampling_metadata(states, self.model_config.vocab_size, self.device)
+        # Plain greedy rows (no bitmask, penalty, min_tokens or logprobs) need only each row's
+        # argmax: the model may then return tokens instead of logits.
+        argmax_vocab = None
+        if (
+            metadata is not None
+            and metadata.all_greedy
+            and metadata.no_penalties
+            and metadata.min_tokens_indices is None
+            and metadata.max_num_logprobs is None
+            and grammar_bitmask is None
+            and scheduler_output.grammar_bitmask is None
+        ):
+            argmax_vocab = self.model_config.vocab_size
+        out = self.model(  # [S, V] logits, or [S] tokens
+            batch.input_ids, batch.positions, batch.attn, keep, argmax_vocab=argmax_vocab
+        )
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
-        return self._sample(scheduler_output, batch, logits)
+        return self._sample(scheduler_output, batch, out, metadata)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -187,29 +210,31 @@ class ModelRunner:
         )
 
     def _sample(
-        self, scheduler_output: SchedulerOutput, batch: _BatchInputs, logits: torch.Tensor
+        self,
+        scheduler_output: SchedulerOutput,
+        batch: _BatchInputs,
+        out: torch.Tensor,  # [S, V] logits, or [S] the greedy tokens themselves
+        metadata: SamplingMetadata | None,  # the driver's, where rows are sampled
     ) -> ModelRunnerOutput:
         sampled_by_req: dict[str, list[int]] = {}
         logprobs_by_req: dict[str, LogprobsEntry] = {}
         if batch.sample_req_ids:
-            out: SamplerOutput | None = None
+            sampler_out: SamplerOutput | None = None
             sampled: list[int] | None = None
-            states = [self.requests[r].sampling for r in batch.sample_req_ids]
-            if self.is_driver:
-                metadata = build_sampling_metadata(
-                    states, self.model_config.vocab_size, logits.device
-                )
-                logits = logits[:, : self.model_config.vocab_size]  # [S, V]
+            if metadata is not None and out.dim() == 1:
+                sampled = out.tolist()
+            elif metadata is not None:
+                logits = out[:, : self.model_config.vocab_size]  # [S, V]
                 if scheduler_output.grammar_bitmask is not None:
                     apply_grammar_bitmask(
                         logits, batch.sample_req_ids, scheduler_output.grammar_bitmask
                     )
-                out = self.sampler.forward(logits, metadata)
+                sampler_out = self.sampler.forward(logits, metadata)
                 # A NaN logit sampled means a broken row (argmax and the exponential race both
                 # pick NaN first): that request fails alone. O(S), and in the same sync.
-                picked = logits.gather(1, out.sampled_token_ids[:, None])[:, 0]  # [S]
+                picked = logits.gather(1, sampler_out.sampled_token_ids[:, None])[:, 0]  # [S]
                 sampled = torch.where(
-                    picked.isnan(), INVALID_TOKEN_ID, out.sampled_token_ids
+                    picked.isnan(), INVALID_TOKEN_ID, sampler_out.sampled_token_ids
                 ).tolist()
             if self.tp is not None:
                 # Every rank appends the driver's tokens, so the next step's inputs agree.
@@ -220,8 +245,9 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 sampled_by_req[req_id] = [token_id]
-            if out is not None and out.logprobs is not None:
-                logprobs_by_req = _logprobs_entries(batch.sample_req_ids, states, out)
+            if sampler_out is not None and sampler_out.logprobs is not None:
+                states = [self.requests[r].sampling for r in batch.sample_req_ids]
+                logprobs_by_req = _logprobs_entries(batch.sample_req_ids, states, sampler_out)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,

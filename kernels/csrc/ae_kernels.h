@@ -2,11 +2,12 @@
  * asyncengine's native CPU kernels: every function the library exports, and the dtype codes.
  *
  * The .c files beside this header (one per kernel family: attention.c, rotary_cache.c,
- * norms.c, activation.c, argmax.c, bitmask.c, linear.c) are compiled together into one shared library on
- * first use by kernels/cpu_native.py, with the system C compiler (`cc -O3 -march=native
- * -fopenmp`), and called through ctypes: no torch headers, about a second to build. Every .c
- * file includes this header, and the Python bindings (kernels/cpu_native.py) must match these
- * declarations (tests/kernels/test_cpu_bindings.py checks them).
+ * norms.c, activation.c, argmax.c, bitmask.c, linear.c, lm_head_argmax.c, ...) are compiled
+ * together into one shared library on first use by kernels/cpu_native.py, with the system C
+ * compiler (`cc -O3 -march=native -fopenmp`), and called through ctypes: no torch headers,
+ * about a second to build. Every .c file includes this header, and the Python bindings
+ * (kernels/cpu_native.py) must match these declarations (tests/kernels/test_cpu_bindings.py
+ * checks them).
  *
  * Tensors arrive as data pointers plus strides in elements; `dt` is the dtype of the tensors a
  * call reads and writes (one of the codes below); `num_threads` is the OpenMP team size to
@@ -108,6 +109,13 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  void *product, void *residual, int64_t r_st,
                                  const void *norm_weight, float eps, void *out, int64_t o_st,
                                  int num_threads);
+
+/* lm_head_argmax.c: greedy decoding's argmax of an lm_head product, screened by an int8
+ * copy of its weight; returns how many 64-column blocks it computed exactly */
+int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int8_t *q,
+                               const float *scale, const float *rnorm, const void *w, int64_t K,
+                               int64_t Kp, const void *bias, int64_t vocab, int64_t *out,
+                               int num_threads);
 
 /* ---- Shared between the .c files, not called from Python ---- */
 

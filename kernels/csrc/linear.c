@@ -27,6 +27,7 @@
 #endif
 
 #include "ae_kernels.h"
+#include "linear.h"
 #include "pool.h"
 #include "bf16.h"
 #include "fast_exp.h"
@@ -34,7 +35,7 @@
 #include <omp.h>
 #endif
 
-#define BLOCK 64  /* output columns per packed block */
+#define BLOCK AE_LINEAR_BLOCK /* output columns per packed block */
 #define MAX_ROWS 6 /* rows per pass over a block: 6 x 4 fp32 sums fill 24 of the 32 registers */
 /* Software prefetch this far ahead of the loads. Each layer's weight is a fresh stream, and
  * the hardware prefetcher ramps up at each 4 KB page: measured on SmolLM2's shapes, one-row
@@ -117,8 +118,8 @@ int ae_linear_bf16_fast(void) {
 /* res[m][0..63] = the fp32 sums of one packed block's 64 columns for all M rows (xp: the rows
  * as k-pairs, P of them each). Passes of up to MAX_ROWS rows: the first reads the block's
  * weights from memory, the later ones from L2. */
-static void block_sums(const char *wb, int64_t P, const uint32_t *xp, int64_t M,
-                       float *restrict res) {
+void ae_block_sums(const char *wb, int64_t P, const uint32_t *xp, int64_t M,
+                   float *restrict res) {
     const int64_t pair_bytes = 2 * BLOCK * 2, block_bytes = P * pair_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
@@ -160,8 +161,8 @@ static void fill_pairs(uint32_t *xp, const void *x, int64_t x_st, int64_t M, int
 
 /* The rows as pairs where the kernels' threads read them: the pool's buffer when the caller
  * holds the pool (`pooled`), else a fresh one for the caller to free. */
-static uint32_t *rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t M, int64_t K,
-                               int64_t P) {
+uint32_t *ae_rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t M, int64_t K,
+                           int64_t P) {
     const size_t bytes = (size_t)(M * P) * sizeof(uint32_t);
     uint32_t *xp = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
     if (xp == NULL) abort(); /* a few KB: no way on without it */
@@ -171,7 +172,7 @@ static uint32_t *rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t 
 
 /* This thread's scratch of at least `floats` floats (it only grows; kept for the thread's
  * life). */
-static float *thread_scratch(size_t floats) {
+float *ae_thread_scratch(size_t floats) {
     static __thread float *buf;
     static __thread size_t size;
     if (floats > size) {
@@ -198,13 +199,6 @@ static void store_block(const float *res, int64_t M, int64_t b, int64_t N, const
     }
 }
 
-/* A block's column sums plus bias, rounded to bf16 and widened back: the product's outputs. */
-static inline float product_value(const float *res, const void *bias, int64_t n) {
-    float v = *res;
-    if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n]);
-    return bf16_to_f32(f32_to_bf16(v));
-}
-
 /* Threads for `items` items: one item each at least. */
 static int team_size(int64_t items, int num_threads) {
     return items < num_threads ? (int)items : num_threads;
@@ -214,14 +208,14 @@ static int team_size(int64_t items, int num_threads) {
  * short enough that a preempted thread would stall them; the caller then holds the pool and
  * must release it. Larger ones run on OpenMP, a static split as the pool's shares are: their
  * steps are long, and there the pool measured 5-10% slower (batches of 16-64 rows). */
-static int use_pool(int64_t M, int num_threads) {
+int ae_linear_use_pool(int64_t M, int num_threads) {
     return num_threads > 1 && M <= AE_POOL_MAX_ROWS && ae_pool_acquire();
 }
 
 /* fn(ctx, item, commit) for every item < n: on the pool where the caller holds it (`pooled`),
  * else in an OpenMP team of up to num_threads, each thread a contiguous range of items. */
-static void run_items(int pooled, ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n,
-                      int num_threads) {
+void ae_linear_run_items(int pooled, ae_pool_fn fn, const void *ctx, size_t ctx_bytes,
+                         int64_t n, int num_threads) {
     const int team = team_size(n, num_threads);
     if (pooled) {
         ae_pool_run(fn, ctx, ctx_bytes, n, team);
@@ -247,9 +241,9 @@ static void product_item(const void *ctx, int64_t item, const struct ae_commit *
     const int64_t blocks = (j->N + BLOCK - 1) / BLOCK, block_bytes = j->P * 2 * BLOCK * 2;
     const int64_t b0 = item * j->per_item;
     const int64_t b1 = b0 + j->per_item < blocks ? b0 + j->per_item : blocks;
-    float *res = thread_scratch((size_t)((b1 - b0) * j->M * BLOCK));
+    float *res = ae_thread_scratch((size_t)((b1 - b0) * j->M * BLOCK));
     for (int64_t b = b0; b < b1; b++)
-        block_sums((const char *)j->w + b * block_bytes, j->P, j->xp, j->M,
+        ae_block_sums((const char *)j->w + b * block_bytes, j->P, j->xp, j->M,
                    res + (b - b0) * j->M * BLOCK);
     if (!ae_commit_begin(commit)) return; /* another thread committed this item */
     for (int64_t b = b0; b < b1; b++)
@@ -262,13 +256,13 @@ static int64_t blocks_per_item(int64_t blocks) {
     return blocks <= AE_POOL_MAX_ITEMS ? 1 : (blocks + AE_POOL_MAX_ITEMS - 1) / AE_POOL_MAX_ITEMS;
 }
 
-/* The product x @ W^T + bias into out, over the rows as pairs (xp): see run_items. */
+/* The product x @ W^T + bias into out, over the rows as pairs (xp): see ae_linear_run_items. */
 static void run_product(int pooled, const uint32_t *xp, int64_t P, int64_t M, const void *w,
                         int64_t N, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t blocks = (N + BLOCK - 1) / BLOCK, per_item = blocks_per_item(blocks);
     const int64_t items = (blocks + per_item - 1) / per_item;
     const struct product_job job = {xp, P, M, N, o_st, per_item, w, bias, out};
-    run_items(pooled, product_item, &job, sizeof job, items, num_threads);
+    ae_linear_run_items(pooled, product_item, &job, sizeof job, items, num_threads);
 }
 
 /*
@@ -277,13 +271,13 @@ static void run_product(int pooled, const uint32_t *xp, int64_t P, int64_t M, co
  * the packed k extent (even, >= K); bias: N values or NULL; out: [M][N], row stride o_st.
  * Work is split over the 64-column blocks: claimed one at a time by the pool's threads for up
  * to AE_POOL_MAX_ROWS rows (pool.c: no thread waits for one that was preempted), else a
- * contiguous range per OpenMP thread (see use_pool).
+ * contiguous range per OpenMP thread (see ae_linear_use_pool).
  */
 void ae_linear_bf16(const void *x, int64_t x_st, int64_t M, const void *w, int64_t N, int64_t K,
                     int64_t Kp, const void *bias, void *out, int64_t o_st, int num_threads) {
     const int64_t P = Kp / 2;
-    const int pooled = use_pool(M, num_threads);
-    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    const int pooled = ae_linear_use_pool(M, num_threads);
+    uint32_t *xp = ae_rows_as_pairs(pooled, x, x_st, M, K, P);
     run_product(pooled, xp, P, M, w, N, bias, out, o_st, num_threads);
     if (pooled) ae_pool_release();
     else free(xp);
@@ -300,16 +294,16 @@ struct silu_job {
 static void silu_item(const void *ctx, int64_t j, const struct ae_commit *commit) {
     const struct silu_job *s = ctx;
     const int64_t block_bytes = s->P * 2 * BLOCK * 2, pairs = s->inter / BLOCK;
-    float *gate = thread_scratch((size_t)(2 * s->M * BLOCK));
+    float *gate = ae_thread_scratch((size_t)(2 * s->M * BLOCK));
     float *up = gate + s->M * BLOCK;
-    block_sums((const char *)s->w + j * block_bytes, s->P, s->xp, s->M, gate);
-    block_sums((const char *)s->w + (pairs + j) * block_bytes, s->P, s->xp, s->M, up);
+    ae_block_sums((const char *)s->w + j * block_bytes, s->P, s->xp, s->M, gate);
+    ae_block_sums((const char *)s->w + (pairs + j) * block_bytes, s->P, s->xp, s->M, up);
     const int64_t n0 = j * BLOCK;
     for (int64_t r = 0; r < s->M; r++) {
         float *g = gate + r * BLOCK, *u = up + r * BLOCK;
         for (int64_t c = 0; c < BLOCK; c++) {
-            g[c] = product_value(g + c, s->bias, n0 + c);
-            u[c] = product_value(u + c, s->bias, s->inter + n0 + c);
+            g[c] = ae_product_value(g + c, s->bias, n0 + c);
+            u[c] = ae_product_value(u + c, s->bias, s->inter + n0 + c);
         }
 #pragma omp simd
         for (int64_t c = 0; c < BLOCK; c++) g[c] = silu_f32(g[c]);
@@ -335,10 +329,10 @@ void ae_linear_silu_bf16(const void *x, int64_t x_st, int64_t M, const void *w, 
                          int64_t K, int64_t Kp, const void *bias, void *out, int64_t o_st,
                          int num_threads) {
     const int64_t P = Kp / 2, inter = N / 2, pairs = inter / BLOCK;
-    const int pooled = pairs <= AE_POOL_MAX_ITEMS && use_pool(M, num_threads);
-    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    const int pooled = pairs <= AE_POOL_MAX_ITEMS && ae_linear_use_pool(M, num_threads);
+    uint32_t *xp = ae_rows_as_pairs(pooled, x, x_st, M, K, P);
     const struct silu_job job = {xp, P, M, inter, o_st, w, bias, out};
-    run_items(pooled, silu_item, &job, sizeof job, pairs, num_threads);
+    ae_linear_run_items(pooled, silu_item, &job, sizeof job, pairs, num_threads);
     if (pooled) ae_pool_release();
     else free(xp);
 }
@@ -355,7 +349,7 @@ struct norm_job {
 static void norm_item(const void *ctx, int64_t r, const struct ae_commit *commit) {
     const struct norm_job *j = ctx;
     const int64_t N = j->N;
-    float *wn = thread_scratch((size_t)(4 * N));
+    float *wn = ae_thread_scratch((size_t)(4 * N));
     float *buf = wn + N, *other = buf + N;
     uint16_t *res = (uint16_t *)(other + N), *out = res + N; /* N bf16 each: the last N floats */
     for (int64_t i = 0; i < N; i++) wn[i] = bf16_to_f32(((const uint16_t *)j->norm_weight)[i]);
@@ -372,10 +366,10 @@ static void norm_item(const void *ctx, int64_t r, const struct ae_commit *commit
  * A pre-norm decoder's projection into the residual stream and the norm after it, for
  * decode-sized batches: product = x @ W^T + bias (as ae_linear_bf16, into `product`, [M][N]
  * scratch), then `residual += product; out = RMSNorm(residual) * norm_weight` per row
- * (norms.c's ae_add_rms_norm_row), in one call instead of two: both on the pool (see use_pool),
- * else in one OpenMP region whose threads norm the rows after their columns. Same numbers as
- * the two calls, bit for bit. residual: [M][N], row stride r_st, updated in place; out:
- * [M][N], row stride o_st.
+ * (norms.c's ae_add_rms_norm_row), in one call instead of two: both on the pool (see
+ * ae_linear_use_pool), else in one OpenMP region whose threads norm the rows after
+ * their columns. Same numbers as the two calls, bit for bit. residual: [M][N], row stride
+ * r_st, updated in place; out: [M][N], row stride o_st.
  */
 void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const void *w,
                                  int64_t N, int64_t K, int64_t Kp, const void *bias,
@@ -383,8 +377,8 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  const void *norm_weight, float eps, void *out, int64_t o_st,
                                  int num_threads) {
     const int64_t P = Kp / 2;
-    const int pooled = use_pool(M, num_threads);
-    uint32_t *xp = rows_as_pairs(pooled, x, x_st, M, K, P);
+    const int pooled = ae_linear_use_pool(M, num_threads);
+    uint32_t *xp = ae_rows_as_pairs(pooled, x, x_st, M, K, P);
     if (!pooled) { /* one OpenMP region: each thread its blocks, then its rows' norms */
         const int64_t blocks = (N + BLOCK - 1) / BLOCK, per_item = blocks_per_item(blocks);
         const int64_t items = (blocks + per_item - 1) / per_item;
@@ -429,6 +423,6 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
     }
     const struct norm_job job = {product_in, residual_in, norm_weight, residual, out,
                                  N, res_in_st, r_st, o_st, eps};
-    run_items(1, norm_item, &job, sizeof job, M, num_threads);
+    ae_linear_run_items(1, norm_item, &job, sizeof job, M, num_threads);
     ae_pool_release();
 }

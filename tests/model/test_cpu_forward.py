@@ -18,6 +18,7 @@ from torch import nn
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.lm_head_argmax_cpu import LmHeadArgmax
 from asyncengine.model import cpu_checkpoint, cpu_forward
 from asyncengine.model.transformers_model import TransformersModel
 from asyncengine.testing.models import TINY_ARCHITECTURES
@@ -152,3 +153,47 @@ def test_long_prefills_run_the_mlp_in_chunks_with_the_same_numbers(
     monkeypatch.setattr(cpu_checkpoint, "lean_checkpoint_reason", lambda config: "switched off")
     monkeypatch.setattr(cpu_forward, "unsupported_reason", lambda model: "switched off")
     assert run() == chunked
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_greedy_steps_take_their_tokens_from_the_lm_head_screen(
+    arch: str,
+    tiny_model_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain greedy rows skip the logits (kernels/lm_head_argmax_cpu.py) for the same tokens
+    as the logits' argmax; rows with logprobs, penalties or sampling still get logits."""
+    lib = load_native()
+    if lib is None or not lib.linear_bf16_fast:
+        pytest.skip("the native linear kernels are not built with AVX512-BF16")
+    model_dir = tiny_model_factory(arch)
+    calls: list[int] = []
+    real = LmHeadArgmax.__call__
+
+    def spy(self: LmHeadArgmax, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        calls.append(hidden.shape[0])
+        return real(self, hidden, vocab)
+
+    monkeypatch.setattr(LmHeadArgmax, "__call__", spy)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.3
+    )
+
+    def tokens(params: SamplingParams) -> list[list[int]]:
+        llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32)
+        try:
+            outs = llm.generate(_prompts(), params, use_tqdm=False)
+            return [list(out.outputs[0].token_ids) for out in outs]
+        finally:
+            llm.shutdown()
+
+    screened = tokens(greedy)
+    assert calls and max(calls) <= 5
+    calls.clear()
+    tokens(penalised)
+    assert not calls
+    monkeypatch.setattr(cpu_forward, "_lm_head_argmax", lambda lm_head: None)
+    assert tokens(greedy) == screened
+    assert not calls

@@ -1,0 +1,97 @@
+"""Greedy decoding's next token without the lm_head's logits (`csrc/lm_head_argmax.c`).
+
+At one to a few rows the lm_head is a matrix-vector product bound by memory, and on small
+models a large share of a decode step: 57 of SmolLM2-135M's 270 MB a token, 272 of
+Qwen2.5-0.5B's ~1,000. Greedy sampling wants one index per row. `LmHeadArgmax` keeps an int8
+copy of the weight (per-row scale, half the bf16 bytes) with a bound on each row's rounding
+error; a call reads the copy, bounds every logit, and computes exactly (with the product's
+own kernel and rounding) only the 64-column blocks that may hold the maximum: the result is
+the index `argmax(lm_head(hidden)[:, :vocab])` gives, bit for bit, never an estimate.
+
+The price is the copy's memory (vocab x hidden bytes) and building it at load (a second or
+two for a 152k vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncengine.kernels.cpu_native import NativeKernels, require_native
+from asyncengine.kernels.linear_cpu import NATIVE_BLOCK, LinearCpu
+
+# The most rows a call screens: more rows make the product compute-bound, where the int8
+# copy's widening costs more than the bf16 dot products it replaces.
+ARGMAX_MAX_ROWS = 8
+# Weight rows quantised at a time while building (float64 temporaries: ~30 MB at hidden 1024).
+_BUILD_ROWS = 4096
+
+
+class LmHeadArgmax:
+    """`(hidden [rows, K] bf16, vocab) -> [rows] int64`: argmax over each row's first `vocab`
+    logits of the lm_head `linear`, first index on ties; None where a row's logits could not
+    be bounded (NaN or infinite values): the caller then computes the logits."""
+
+    def __init__(self, linear: LinearCpu) -> None:
+        self._lib: NativeKernels = require_native()
+        self._linear = linear
+        blocks = linear.weight_blocks()  # [B, Kp / 2, 64, 2]
+        n, k = linear.shape
+        num_blocks = blocks.shape[0]
+        self.q = torch.empty(num_blocks, k, NATIVE_BLOCK, dtype=torch.int8)  # [B, K, 64]
+        self.scale = torch.empty(num_blocks * NATIVE_BLOCK, dtype=torch.float32)
+        self.rnorm = torch.empty(num_blocks * NATIVE_BLOCK, dtype=torch.float32)
+        step = max(1, _BUILD_ROWS // NATIVE_BLOCK)
+        for b0 in range(0, num_blocks, step):
+            b1 = min(b0 + step, num_blocks)
+            rows = slice(b0 * NATIVE_BLOCK, b1 * NATIVE_BLOCK)
+            # [b, Kp/2, 64, 2] -> [b * 64, Kp] -> the K real columns
+            w = blocks[b0:b1].permute(0, 2, 1, 3).reshape((b1 - b0) * NATIVE_BLOCK, -1)[:, :k]
+            q, self.scale[rows], self.rnorm[rows] = _quantize(w)
+            self.q[b0:b1] = q.view(b1 - b0, NATIVE_BLOCK, k).transpose(1, 2)
+        self._bias = linear.bias
+        self._bias_address = 0 if self._bias is None else self._bias.data_ptr()
+        self._n, self._k = n, k
+        self.exact_blocks = 0  # the last call's blocks computed exactly (over its rows)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the int8 copy and its per-row values take."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.rnorm))
+
+    def __call__(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        rows, k = hidden.shape
+        if k != self._k or hidden.dtype != torch.bfloat16 or not 0 < vocab <= self._n:
+            raise ValueError(
+                f"LmHeadArgmax takes bf16 rows of {self._k} values and 0 < vocab <= "
+                f"{self._n}, not {tuple(hidden.shape)} {hidden.dtype}, vocab {vocab}"
+            )
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        self.exact_blocks = self._lib.lm_head_argmax_bf16(
+            hidden.data_ptr(), hidden.stride(0), rows, self.q.data_ptr(),
+            self.scale.data_ptr(), self.rnorm.data_ptr(), self._linear.address, k,
+            self._linear.packed_k, self._bias_address, vocab, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rows and int(out.min()) < 0:
+            return None
+        return out
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of w (bf16) as int8 q, a float32 scale s and a float32 rnorm >= ||w - s q||_2.
+
+    In float64, where w, s and s * q are exact, so the rounding error |w - s q| is at most
+    s / 2 (the kernel relies on that) and its norm is rounded up into float32.
+    """
+    wd = w.double()
+    amax = wd.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, 1.0).float()
+    sd = scale.double()[:, None]
+    q = torch.round(wd / sd).clamp_(-127, 127)
+    norm = (wd - sd * q).norm(dim=1) * (1 + 1e-12)
+    rnorm = norm.float()
+    up = torch.nextafter(rnorm, torch.tensor(float("inf")))
+    rnorm = torch.where(rnorm.double() < norm, up, rnorm)
+    return q.to(torch.int8), scale, rnorm
