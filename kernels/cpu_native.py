@@ -148,7 +148,8 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _i64,  # x, its row stride, rows
         _ptr, _ptr, _ptr,  # the int8 copy: q [blocks][K][64], scale, rnorm (fp32 [blocks * 64])
         _ptr, _i64, _i64, _ptr,  # packed weight (as ae_linear_bf16), K, packed K, bias (or NULL)
-        _i64, _ptr, _int,  # vocab (columns searched), out (int64 [rows]), threads
+        _i64, _ptr, _ptr, _i64,  # vocab (columns searched), temperatures, noise, its stride
+        _ptr, _int,  # out (int64 [rows]), threads
     )),
     "ae_decode_layers_bf16": (_int, (
         _ptr, _i64, _i64, _i64,  # layers [L][AE_LAYER_FIELDS] (int64), L, tokens, hidden

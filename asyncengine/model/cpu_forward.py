@@ -46,6 +46,7 @@ from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import PackedLinear
 from asyncengine.model.decode_layers import NativeDecodeLayers
+from asyncengine.model.interface import TokenChoice
 from asyncengine.model.lean_layer import LeanLayer
 
 _ARCHITECTURES = {
@@ -114,6 +115,11 @@ class CpuForward:
             layers=[_collect(layer, head_dim) for layer in base.layers],
         )
 
+    @property
+    def token_choice_rows(self) -> int:
+        """The most rows it picks tokens for itself (ModelForward); 0 without the screen."""
+        return self._argmax_rows if self.lm_head_argmax is not None else 0
+
     def linear_layers(self) -> list[nn.Module]:
         """Every projection it multiplies by, the lm_head last."""
         names = ("qkv", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up", "gate_proj",
@@ -128,11 +134,11 @@ class CpuForward:
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
-        argmax_vocab: int | None = None,
+        token_choice: TokenChoice | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
-        """The logits of the rows `logits_indices` names; with `argmax_vocab`, possibly their
-        greedy tokens instead: [S] int64, argmax over each row's first `argmax_vocab` logits
-        (first index on ties), the same indices as the argmax of the logits."""
+        """The logits of the rows `logits_indices` names; with `token_choice`, possibly their
+        tokens instead (see model/interface.py): through the int8 screen of the lm_head, for
+        steps of a few rows."""
         residual = F.embedding(input_ids, self._embed_weight)  # [T, hidden]
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
@@ -149,9 +155,9 @@ class CpuForward:
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)
         hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
-        screen = self.lm_head_argmax
-        if argmax_vocab is not None and screen is not None and hidden.shape[0] <= self._argmax_rows:
-            tokens = screen(hidden, argmax_vocab)
+        screen, choice = self.lm_head_argmax, token_choice
+        if choice is not None and screen is not None and len(hidden) <= self.token_choice_rows:
+            tokens = screen(hidden, choice.vocab_size, choice.temperatures, choice.noise)
             if tokens is not None:  # else a row's logits are not finite: compute them
                 return tokens
         logits: torch.Tensor = self._lm_head(hidden)

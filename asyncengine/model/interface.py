@@ -8,11 +8,24 @@ once, and loads the chosen one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from asyncengine.model.attention import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChoice:
+    """The tokens a model may pick itself instead of returning logits: row i's argmax over its
+    first `vocab_size` logits (first index on ties); with `temperatures` [S] (float32, 0 for a
+    greedy row) and `noise` [S, >= vocab_size] (float32, `Sampler.gumbel_noise`), a row with
+    T > 0 takes argmax(logits / T + noise) in fp32 instead: the sampler's Gumbel-max."""
+
+    vocab_size: int
+    temperatures: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
 
 
 class ModelForward(Protocol):
@@ -26,12 +39,18 @@ class ModelForward(Protocol):
     every token's K/V into the paged cache and returns the logits of those rows only, in the
     model's dtype, the vocabulary possibly padded past the tokenizer's.
 
-    With `argmax_vocab` (the runner passes it when every row is sampled greedily with nothing
-    that changes the logits first), a model may return the rows' tokens instead of their
-    logits: [S] int64, each row's argmax over its first `argmax_vocab` logits, first index on
-    ties, exactly the argmax of the logits it would have returned (CpuForward does, through
-    an int8 screen of its lm_head).
+    With a `TokenChoice` (the runner passes one when every row is sampled greedily or by
+    temperature alone, with nothing that changes the logits first), a model may return the
+    rows' tokens instead of their logits: [S] int64, exactly the tokens the sampler would
+    pick from the logits it would have returned (CpuForward does, through an int8 screen of
+    its lm_head).
     """
+
+    @property
+    def token_choice_rows(self) -> int:
+        """The most sampled rows for which it may return tokens (0: always logits): the
+        runner passes no TokenChoice for more, and draws no noise for one."""
+        ...
 
     def __call__(
         self,
@@ -39,6 +58,6 @@ class ModelForward(Protocol):
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
-        argmax_vocab: int | None = None,
+        token_choice: TokenChoice | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         ...

@@ -20,7 +20,7 @@ from asyncengine.config import ModelConfig
 from asyncengine.errors import UnsupportedModelError
 from asyncengine.model import attention
 from asyncengine.model.attention import AttentionMetadata
-from asyncengine.model.interface import ModelForward
+from asyncengine.model.interface import ModelForward, TokenChoice
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 class TransformersModel:
     """A transformers causal LM as a `ModelForward` (see model/interface.py)."""
+
+    token_choice_rows = 0  # always logits
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.module = model
@@ -39,7 +41,7 @@ class TransformersModel:
         positions: torch.Tensor,  # [T]
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
-        argmax_vocab: int | None = None,  # always logits here
+        token_choice: TokenChoice | None = None,  # always logits here
     ) -> torch.Tensor:  # [S, V]
         # transformers takes a batch: ours is one packed sequence, [1, T].
         out = self.module(

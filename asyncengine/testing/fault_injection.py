@@ -71,12 +71,15 @@ def _core_nan_logits(core: EngineCore, request_id: str) -> None:
     gives (the worker in this process: the "uni" executor only)."""
     runner = core.executor.worker.model_runner  # type: ignore[attr-defined]
     original = runner._sample
+    # Until then the model returns logits, never tokens (ModelForward's token_choice).
+    runner._token_choice = lambda *args: None
 
-    def poisoned(scheduler_output: Any, batch: Any, logits: Any) -> Any:
+    def poisoned(scheduler_output: Any, batch: Any, logits: Any, *args: Any) -> Any:
         if request_id in batch.sample_req_ids:
             runner._sample = original
+            del runner._token_choice
             logits[batch.sample_req_ids.index(request_id)] = float("nan")
-        return original(scheduler_output, batch, logits)
+        return original(scheduler_output, batch, logits, *args)
 
     runner._sample = poisoned
 

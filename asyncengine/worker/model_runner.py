@@ -16,7 +16,7 @@ import torch
 from asyncengine.config import CacheConfig, ModelConfig
 from asyncengine.ipc.messages import LogprobsEntry
 from asyncengine.model.attention import AttentionMetadata, get_backend
-from asyncengine.model.interface import ModelForward
+from asyncengine.model.interface import ModelForward, TokenChoice
 from asyncengine.model.loader import load_model_forward
 from asyncengine.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -124,25 +124,45 @@ class ModelRunner:
         if self.is_driver and batch.sample_req_ids:
             states = [self.requests[r].sampling for r in batch.sample_req_ids]
             metadata = build_sampling_metadata(states, self.model_config.vocab_size, self.device)
-        # Plain greedy rows (no bitmask, penalty, min_tokens or logprobs) need only each row's
-        # argmax: the model may then return tokens instead of logits.
-        argmax_vocab = None
+        choice = None
         if (
             metadata is not None
-            and metadata.all_greedy
-            and metadata.no_penalties
-            and metadata.min_tokens_indices is None
-            and metadata.max_num_logprobs is None
             and grammar_bitmask is None
-            and scheduler_output.grammar_bitmask is None
+            and metadata.num_rows <= self.model.token_choice_rows
         ):
-            argmax_vocab = self.model_config.vocab_size
+            choice = self._token_choice(scheduler_output, metadata)
         out = self.model(  # [S, V] logits, or [S] tokens
-            batch.input_ids, batch.positions, batch.attn, keep, argmax_vocab=argmax_vocab
+            batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice
         )
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
         return self._sample(scheduler_output, batch, out, metadata)
+
+    def _token_choice(
+        self, scheduler_output: SchedulerOutput, metadata: SamplingMetadata
+    ) -> TokenChoice | None:
+        """What the model may pick itself (model/interface.py): rows sampled greedily or by
+        temperature alone, with no grammar, penalty, min_tokens, logprobs or filter; else
+        None (the sampler then needs the logits)."""
+        if (
+            scheduler_output.grammar_bitmask is not None
+            or not metadata.no_penalties
+            or metadata.min_tokens_indices is not None
+            or metadata.max_num_logprobs is not None
+            or metadata.num_filter_candidates
+            or metadata.min_p is not None
+        ):
+            return None
+        vocab_size = self.model_config.vocab_size
+        if metadata.all_greedy:
+            return TokenChoice(vocab_size)
+        # The noise the sampler would draw for these rows (the same, for a seeded row).
+        assert metadata.temperature is not None
+        temperatures = metadata.temperature
+        if metadata.greedy_mask is not None:
+            temperatures = temperatures.masked_fill(metadata.greedy_mask, 0.0)
+        noise = self.sampler.gumbel_noise(metadata, vocab_size)
+        return TokenChoice(vocab_size, temperatures, noise)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

@@ -5,7 +5,8 @@ Steps, in order:
   2. min_tokens: EOS and stop ids → -inf for rows still short of min_tokens;
   3. penalties: repetition (prompt + output), frequency and presence (output);
   4. greedy rows: argmax of the penalised logits;
-  5. random rows: temperature → top-k → top-p → min-p → exponential race;
+  5. random rows: temperature → top-k → top-p → min-p → Gumbel-max (argmax of logits plus
+     Gumbel noise: a sample of their softmax);
   6. gather the sampled token's logprob and rank, and the top-N logprobs.
 
 Host decisions come from `SamplingMetadata` (Python values), so no step reads a tensor back.
@@ -21,8 +22,9 @@ from asyncengine.kernels.argmax_cpu import argmax_cpu
 from asyncengine.kernels.cpu_native import load_native, supported
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 
-# Uniform noise is clamped into [_TINY, _ONE_BELOW] so that -log(u) is finite and > 0: a zero
-# q would turn a masked token's 0 / 0 into NaN, which argmax ranks first.
+# Uniform noise is clamped into [_TINY, _ONE_BELOW] so that -log(u) is finite and > 0, and
+# the Gumbel noise -log(-log(u)) finite: an infinite one would beat any logit, or turn a
+# masked token's -inf into NaN, which argmax ranks first.
 _TINY = torch.finfo(torch.float32).tiny
 _ONE_BELOW = 1.0 - 2.0**-24  # the largest float32 below 1
 
@@ -85,35 +87,36 @@ class Sampler(torch.nn.Module):
         logits = logits / metadata.temperature.unsqueeze(1)  # [B, V]
         if metadata.num_filter_candidates:
             _apply_top_k_top_p(logits, metadata)
-        probs = logits.softmax(dim=-1)  # [B, V]
         if metadata.min_p is not None:
-            _apply_min_p(probs, metadata.min_p)
-        sampled = self._exponential_race(probs, metadata)  # [B]
+            _apply_min_p(logits, metadata.min_p)
+        # Gumbel-max: argmax(x + g) is a sample of softmax(x); filtered tokens hold -inf.
+        sampled = fast_argmax(logits.add_(self.gumbel_noise(metadata, logits.shape[1])))  # [B]
 
         if greedy is not None:
             assert metadata.greedy_mask is not None
             sampled = torch.where(metadata.greedy_mask, greedy, sampled)
         return sampled
 
-    def _exponential_race(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """argmax(probs / q), q ~ Exp(1) i.i.d.: a sample from probs without a cumsum or sync.
+    def gumbel_noise(self, metadata: SamplingMetadata, vocab_size: int) -> torch.Tensor:
+        """g = -log(-log(u)), u ~ U(0, 1) i.i.d., [B, V] float32: argmax(x + g) samples from
+        softmax(x), with no softmax, cumsum or sync.
 
-        q = -log(u) for u ~ U(0, 1) is Exp(1); on CPU, uniform_ + log is ~5x faster than
-        exponential_. Seeded rows overwrite their noise with their own generator, so their
-        tokens depend only on (seed, step) and their probabilities.
+        Seeded rows overwrite their noise with their own generator, so their tokens depend
+        only on (seed, step) and their logits, whatever their batch; the model may take this
+        noise to pick the tokens itself (ModelForward's `argmax_noise`). On CPU, uniform_ and
+        two logs are ~5x faster than exponential_.
         """
-        u = torch.empty_like(probs)  # [B, V]
+        device = metadata.temperature.device if metadata.temperature is not None else None
+        u = torch.empty(metadata.num_rows, vocab_size, dtype=torch.float32, device=device)
         if len(metadata.generator_seeds) < metadata.num_rows:
             u.uniform_()  # one batched draw for every unseeded row
         if metadata.generator_seeds:
-            generator = self._generator(probs.device)
+            generator = self._generator(u.device)
             for row, seed in metadata.generator_seeds.items():
                 generator.manual_seed(seed)
                 u[row].uniform_(generator=generator)
-        q = u.clamp_(_TINY, _ONE_BELOW).log_().neg_()  # [B, V], in (0, 88)
-        # Masked tokens have probs == 0, so their score is 0, while the best allowed token
-        # scores at least 1 / (V * 88) > 0: a masked token never wins.
-        return fast_argmax(probs.div_(q))
+        # -log(u) is Exp(1), in (0, 88] after the clamp; g = -log of that, in [-4.5, 16.7).
+        return u.clamp_(_TINY, _ONE_BELOW).log_().neg_().log_().neg_()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -218,10 +221,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> None
     logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Zero (in place) the probs below min_p x the row's highest prob. probs: [B, V]."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
-    probs.masked_fill_(probs < threshold, 0.0)
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask (in place) the tokens whose probability is below min_p x the row's highest, on
+    the temperature-scaled logits [B, V]: p / p_max = exp(x - x_max) < min_p, so x below
+    x_max + log(min_p) (min_p 0: -inf, nothing masked)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # [B, 1]
+    logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 def _gather_logprobs(

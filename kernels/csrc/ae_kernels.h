@@ -110,11 +110,12 @@ void ae_linear_add_rms_norm_bf16(const void *x, int64_t x_st, int64_t M, const v
                                  const void *norm_weight, float eps, void *out, int64_t o_st,
                                  int num_threads);
 
-/* lm_head_argmax.c: greedy decoding's argmax of an lm_head product, screened by an int8
- * copy of its weight; returns how many 64-column blocks it computed exactly */
+/* lm_head_argmax.c: the greedy (or Gumbel-max sampled) token of an lm_head product, screened
+ * by an int8 copy of its weight; returns how many 64-column blocks it computed exactly */
 int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int8_t *q,
                                const float *scale, const float *rnorm, const void *w, int64_t K,
-                               int64_t Kp, const void *bias, int64_t vocab, int64_t *out,
+                               int64_t Kp, const void *bias, int64_t vocab, const float *temps,
+                               const float *noise, int64_t noise_st, int64_t *out,
                                int num_threads);
 
 /* ---- Shared between the .c files, not called from Python ---- */

@@ -127,46 +127,85 @@ struct screen_job {
     const int8_t *q;
     const float *scale, *rnorm;
     const void *bias;
+    const float *noise; /* [M][vocab] Gumbel noise of the sampled rows (the pool's copy) */
     float *blk_lo, *blk_hi; /* [M][blocks], written on commit */
     int64_t M, K, vocab, blocks, per_item;
     float coef[GROUP][3]; /* per row: ||h||_2, ||h||_1 / 2, 2 gamma_K 127 ||h||_1 */
+    float temp[GROUP];    /* per row: 0 greedy, else the temperature of its sample */
 };
+
+/* A column's interval [lo, hi]: for a greedy row, of its exact fp32 value (see the top); for
+ * a sampled row, of its score bf16(exact) / T + g, widened by the bf16 rounding (2^-8
+ * relative) and by the two fp32 roundings of the score. Scalar and 16-lane forms. */
+static inline void column_interval(float acc, float s, float rn, float bias, const float *c,
+                                   float t, float g, float *lo, float *hi) {
+    const float a = acc * s + bias;
+    float e = fminf(c[0] * rn, c[1] * s) + c[2] * s;
+    e = e * (1.0f + 0x1p-16f) + 0x1p-20f * fabsf(a) + 1e-30f; /* a's and e's own rounding */
+    if (t == 0.0f) {
+        *lo = a - e, *hi = a + e;
+        return;
+    }
+    const float it = 1.0f / t, wide = e + (fabsf(a) + e) * 0x1p-8f;
+    const float slack = 0x1p-20f * ((fabsf(a) + wide) * it + fabsf(g)) + 1e-30f;
+    *lo = (a - wide) * it + g - slack, *hi = (a + wide) * it + g + slack;
+}
+
+#ifdef __AVX512F__
+static inline void column_interval16(__m512 acc, __m512 s, __m512 rn, __m512 bias,
+                                     const float *c, float t, __m512 g, __m512 *lo,
+                                     __m512 *hi, __m512 *mag) {
+    const __m512 a = _mm512_fmadd_ps(acc, s, bias), abs_a = _mm512_abs_ps(a);
+    __m512 e = _mm512_min_ps(_mm512_mul_ps(_mm512_set1_ps(c[0]), rn),
+                             _mm512_mul_ps(_mm512_set1_ps(c[1]), s));
+    e = _mm512_fmadd_ps(_mm512_set1_ps(c[2]), s, e);
+    e = _mm512_add_ps(_mm512_fmadd_ps(e, _mm512_set1_ps(1.0f + 0x1p-16f),
+                                      _mm512_mul_ps(abs_a, _mm512_set1_ps(0x1p-20f))),
+                      _mm512_set1_ps(1e-30f));
+    *mag = _mm512_max_ps(abs_a, e);
+    if (t == 0.0f) {
+        *lo = _mm512_sub_ps(a, e), *hi = _mm512_add_ps(a, e);
+        return;
+    }
+    const __m512 it = _mm512_set1_ps(1.0f / t);
+    const __m512 wide = _mm512_fmadd_ps(_mm512_add_ps(abs_a, e), _mm512_set1_ps(0x1p-8f), e);
+    const __m512 slack = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(_mm512_add_ps(abs_a, wide), it, _mm512_abs_ps(g)),
+        _mm512_set1_ps(0x1p-20f), _mm512_set1_ps(1e-30f));
+    *lo = _mm512_sub_ps(_mm512_fmadd_ps(_mm512_sub_ps(a, wide), it, g), slack);
+    *hi = _mm512_add_ps(_mm512_fmadd_ps(_mm512_add_ps(a, wide), it, g), slack);
+}
+#endif
 
 /* The largest lo and hi over columns n0 .. n0 + cols of row r (acc: the row's 64 int8 sums);
  * 0 where a value is not finite. */
 static int column_bounds(const float *acc, const struct screen_job *j, int64_t r, int64_t n0,
                          int64_t cols, float *max_lo, float *max_hi) {
-    const float *c = j->coef[r];
+    const float *c = j->coef[r], t = j->temp[r];
+    const float *g = t == 0.0f ? NULL : j->noise + r * j->vocab;
+    const uint16_t *bias = j->bias;
     int64_t i = 0;
     int finite = 1;
     float mlo = -INFINITY, mhi = -INFINITY;
 #ifdef __AVX512F__
-    if (cols == BLOCK) { /* 16 lanes at a time, the same arithmetic as the loop below */
-        const __m512 c0 = _mm512_set1_ps(c[0]), c1 = _mm512_set1_ps(c[1]);
-        const __m512 c2 = _mm512_set1_ps(c[2]), big = _mm512_set1_ps(FLT_MAX);
+    if (cols == BLOCK) {
+        const __m512 big = _mm512_set1_ps(FLT_MAX);
         __m512 vlo = _mm512_set1_ps(-INFINITY), vhi = vlo;
         __mmask16 ok = 0xffff;
         for (; i < BLOCK; i += 16) {
             const int64_t n = n0 + i;
-            const __m512 s = _mm512_loadu_ps(j->scale + n);
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i), s);
-            if (j->bias) {
-                const uint16_t *bias = (const uint16_t *)j->bias + n;
-                const __m256i b16 = _mm256_loadu_si256((const __m256i *)bias);
-                a = _mm512_add_ps(a, _mm512_castsi512_ps(
-                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+            __m512 b = _mm512_setzero_ps();
+            if (bias) {
+                const __m256i b16 = _mm256_loadu_si256((const __m256i *)(bias + n));
+                b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
             }
-            __m512 e = _mm512_min_ps(_mm512_mul_ps(c0, _mm512_loadu_ps(j->rnorm + n)),
-                                     _mm512_mul_ps(c1, s));
-            e = _mm512_fmadd_ps(c2, s, e);
-            const __m512 abs_a = _mm512_abs_ps(a);
-            e = _mm512_add_ps(_mm512_fmadd_ps(e, _mm512_set1_ps(1.0f + 0x1p-16f),
-                                              _mm512_mul_ps(abs_a, _mm512_set1_ps(0x1p-20f))),
-                              _mm512_set1_ps(1e-30f));
-            ok &= _mm512_cmp_ps_mask(abs_a, big, _CMP_LE_OQ);
-            ok &= _mm512_cmp_ps_mask(e, big, _CMP_LE_OQ);
-            vlo = _mm512_max_ps(vlo, _mm512_sub_ps(a, e));
-            vhi = _mm512_max_ps(vhi, _mm512_add_ps(a, e));
+            const __m512 gv = g ? _mm512_loadu_ps(g + n) : _mm512_setzero_ps();
+            __m512 lo, hi, mag;
+            column_interval16(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(j->scale + n),
+                              _mm512_loadu_ps(j->rnorm + n), b, c, t, gv, &lo, &hi, &mag);
+            ok &= _mm512_cmp_ps_mask(mag, big, _CMP_LE_OQ); /* NaN compares false */
+            vlo = _mm512_max_ps(vlo, lo);
+            vhi = _mm512_max_ps(vhi, hi);
         }
         mlo = _mm512_reduce_max_ps(vlo);
         mhi = _mm512_reduce_max_ps(vhi);
@@ -175,15 +214,12 @@ static int column_bounds(const float *acc, const struct screen_job *j, int64_t r
 #endif
     for (; i < cols; i++) {
         const int64_t n = n0 + i;
-        const float s = j->scale[n];
-        float a = acc[i] * s;
-        if (j->bias) a += bf16_to_f32(((const uint16_t *)j->bias)[n]);
-        float e = fminf(c[0] * j->rnorm[n], c[1] * s) + c[2] * s;
-        /* the rounding of a, e and of lo/hi themselves */
-        e = e * (1.0f + 0x1p-16f) + 0x1p-20f * fabsf(a) + 1e-30f;
-        finite &= fabsf(a) <= FLT_MAX && e <= FLT_MAX;
-        mlo = fmaxf(mlo, a - e);
-        mhi = fmaxf(mhi, a + e);
+        float lo, hi;
+        column_interval(acc[i], j->scale[n], j->rnorm[n], bias ? bf16_to_f32(bias[n]) : 0.0f,
+                        c, t, g ? g[n] : 0.0f, &lo, &hi);
+        finite &= fabsf(lo) <= FLT_MAX && fabsf(hi) <= FLT_MAX;
+        mlo = fmaxf(mlo, lo);
+        mhi = fmaxf(mhi, hi);
     }
     *max_lo = mlo, *max_hi = mhi;
     return finite;
@@ -262,12 +298,13 @@ static void *buffer(int pooled, int slot, size_t bytes) {
 /* Up to GROUP rows: see ae_lm_head_argmax_bf16. */
 static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t *q,
                             const float *scale, const float *rnorm, const void *w, int64_t K,
-                            int64_t Kp, const void *bias, int64_t vocab, int64_t *out,
+                            int64_t Kp, const void *bias, int64_t vocab, const float *temps,
+                            const float *noise, int64_t noise_st, int64_t *out,
                             int num_threads) {
     const int64_t P = Kp / 2, blocks = (vocab + BLOCK - 1) / BLOCK;
     const double gamma = (double)K * 0x1p-24 / (1.0 - (double)K * 0x1p-24);
     struct screen_job sj = {0};
-    int bad[GROUP] = {0};
+    int bad[GROUP] = {0}, sampled = 0;
     for (int64_t r = 0; r < M; r++) {
         const uint16_t *row = (const uint16_t *)x + r * x_st;
         double l1 = 0.0, l2 = 0.0;
@@ -283,16 +320,28 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
         sj.coef[r][1] = (float)(l1 * 0.5 * (1.0 + 1e-6));
         sj.coef[r][2] = (float)(2.0 * gamma * 127.0 * l1 * 1.001);
         if (bad[r]) sj.coef[r][0] = sj.coef[r][1] = sj.coef[r][2] = 0.0f;
+        sj.temp[r] = temps && noise ? temps[r] : 0.0f;
+        sampled |= sj.temp[r] != 0.0f;
     }
 
     const int pooled = ae_linear_use_pool(M, num_threads);
     uint32_t *xp = ae_rows_as_pairs(pooled, x, x_st, M, K, P);
-    float *h = buffer(pooled, 1, (size_t)(M * K + 2 * M * blocks) * sizeof(float));
+    /* Slot 1: the rows in fp32, the blocks' lo and hi, and a copy of the noise (the caller's
+     * memory may be gone while a preempted helper still reads it). */
+    const int64_t noise_floats = sampled ? M * vocab : 0;
+    float *h = buffer(pooled, 1, (size_t)(M * K + 2 * M * blocks + noise_floats) * sizeof(float));
     for (int64_t r = 0; r < M; r++)
         for (int64_t k = 0; k < K; k++)
             h[r * K + k] = bad[r] ? 0.0f : bf16_to_f32(((const uint16_t *)x)[r * x_st + k]);
     sj.h = h, sj.q = q, sj.scale = scale, sj.rnorm = rnorm, sj.bias = bias;
     sj.blk_lo = h + M * K, sj.blk_hi = sj.blk_lo + M * blocks;
+    if (sampled) {
+        float *copy = sj.blk_hi + M * blocks;
+        for (int64_t r = 0; r < M; r++)
+            if (sj.temp[r] != 0.0f)
+                memcpy(copy + r * vocab, noise + r * noise_st, (size_t)vocab * sizeof(float));
+        sj.noise = copy;
+    }
     sj.M = M, sj.K = K, sj.vocab = vocab, sj.blocks = blocks, sj.per_item = per_item_for(blocks);
     ae_linear_run_items(pooled, screen_item, &sj, sizeof sj,
                         (blocks + sj.per_item - 1) / sj.per_item, num_threads);
@@ -311,7 +360,10 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
             bad[r] = 1;
             continue;
         }
-        const float threshold = L - fabsf(L) * (0x1p-7f * 1.02f) - 1e-30f;
+        /* A greedy row's maximum may round to bf16(L): a bf16 ulp below L may tie it. A
+         * sampled row's intervals hold its scores, bf16 rounding included. */
+        const float threshold =
+            sj.temp[r] == 0.0f ? L - fabsf(L) * (0x1p-7f * 1.02f) - 1e-30f : L;
         for (int64_t b = 0; b < blocks; b++)
             if (hi[b] >= threshold) {
                 pairs[2 * n] = (int32_t)r;
@@ -323,7 +375,8 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
     /* The exact sums of those blocks (the pairs stay in slot 2, the sums go after them). */
     float *exact = NULL;
     if (n > 0) {
-        int32_t *all = buffer(pooled, 2, (size_t)n * (2 * sizeof(int32_t) + BLOCK * sizeof(float)));
+        const size_t bytes = (size_t)n * (2 * sizeof(int32_t) + BLOCK * sizeof(float));
+        int32_t *all = buffer(pooled, 2, bytes);
         if (all != pairs) { /* the pool's buffer grew: a new one, without the pairs */
             memcpy(all, pairs, (size_t)n * 2 * sizeof(int32_t));
             if (!pooled) free(pairs);
@@ -335,7 +388,8 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
                             (n + ej.per_item - 1) / ej.per_item, num_threads);
     }
 
-    /* Per row, the first largest of its blocks' values, as the product would store them. */
+    /* Per row, the first largest of its blocks' values as the product would store them (a
+     * sampled row: of value / T + g, in fp32 as the sampler computes it). */
     for (int64_t r = 0; r < M; r++) out[r] = -1;
     float best[GROUP];
     for (int64_t r = 0; r < M; r++) best[r] = -INFINITY;
@@ -343,7 +397,8 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
         const int64_t r = pairs[2 * p], n0 = (int64_t)pairs[2 * p + 1] * BLOCK;
         const int64_t cols = vocab - n0 < BLOCK ? vocab - n0 : BLOCK;
         for (int64_t c = 0; c < cols && !bad[r]; c++) {
-            const float v = ae_product_value(exact + p * BLOCK + c, bias, n0 + c);
+            float v = ae_product_value(exact + p * BLOCK + c, bias, n0 + c);
+            if (sj.temp[r] != 0.0f) v = v / sj.temp[r] + sj.noise[r * vocab + n0 + c];
             if (isnan(v)) bad[r] = 1;
             else if (v > best[r]) best[r] = v, out[r] = n0 + c;
         }
@@ -359,7 +414,9 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
  * out[m] = the first index of the largest of the first `vocab` values of row m of the product
  * x @ W^T + bias as ae_linear_bf16 stores it (bf16), for m < M; -1 for a row whose values
  * could not be bounded (a NaN or infinity in the row, or among its logits): the caller then
- * computes that row's logits in full.
+ * computes that row's logits in full. With `temps` and `noise`, a row m with temps[m] > 0
+ * takes the first largest of value / temps[m] + noise[m][n] instead (fp32, in that order: the
+ * sampler's Gumbel-max, sampler.py), noise rows of stride noise_st.
  * x: [M][K] bf16, row stride x_st; q, scale, rnorm: the int8 copy of W (see the top; at least
  * ceil(vocab / 64) blocks); w: W packed as ae_linear_bf16 reads it (Kp its packed k extent);
  * bias: N bf16 values or NULL; vocab <= N. Returns how many 64-column blocks (summed over the
@@ -367,13 +424,16 @@ static int64_t argmax_group(const void *x, int64_t x_st, int64_t M, const int8_t
  */
 int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int8_t *q,
                                const float *scale, const float *rnorm, const void *w, int64_t K,
-                               int64_t Kp, const void *bias, int64_t vocab, int64_t *out,
+                               int64_t Kp, const void *bias, int64_t vocab, const float *temps,
+                               const float *noise, int64_t noise_st, int64_t *out,
                                int num_threads) {
     int64_t exact = 0;
     for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
         const int64_t rows = M - m0 < GROUP ? M - m0 : GROUP;
         exact += argmax_group((const uint16_t *)x + m0 * x_st, x_st, rows, q, scale, rnorm, w,
-                              K, Kp, bias, vocab, out + m0, num_threads);
+                              K, Kp, bias, vocab, temps ? temps + m0 : NULL,
+                              noise ? noise + m0 * noise_st : NULL, noise_st, out + m0,
+                              num_threads);
     }
     return exact;
 }

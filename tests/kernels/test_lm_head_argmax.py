@@ -79,6 +79,31 @@ def test_the_same_index_as_argmax_of_the_logits(
             assert torch.equal(got, _expected(layer, x, vocab)), (rows, peak)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sampled_rows_pick_the_samplers_gumbel_max(with_bias: bool, threads: None) -> None:
+    """Rows with a temperature take argmax(logits / T + noise) in fp32, as the sampler
+    computes it from the logits, bit for bit; greedy rows (T = 0) beside them their argmax."""
+    n, k, vocab = 6000, 128, 5990
+    weight = _weight(n, k, seed=11)
+    bias = torch.randn(n).mul(0.5).to(torch.bfloat16) if with_bias else None
+    layer = _layer(weight, bias)
+    screen = LmHeadArgmax(layer)
+    g = torch.Generator().manual_seed(12)
+    for trial, rows in enumerate((1, 3, 8, 10)):
+        for temperature in (0.05, 0.7, 1.0, 5.0):
+            x = _rows(weight, rows, seed=100 + trial, peak=30.0)
+            temps = torch.full((rows,), temperature)
+            temps[::3] = 0.0  # greedy rows between the sampled ones
+            u = torch.rand(rows, n, generator=g).clamp_(torch.finfo(torch.float32).tiny, 1 - 2**-24)
+            noise = -(-u.log()).log()  # Gumbel, as Sampler.gumbel_noise draws it
+            got = screen(x, vocab, temps, noise)
+            logits = layer(x)[:, :vocab]
+            scores = logits / torch.where(temps > 0, temps, 1.0)[:, None] + noise[:, :vocab]
+            want = torch.where(temps > 0, argmax_cpu(scores), argmax_cpu(logits))
+            assert got is not None and torch.equal(got, want), (rows, temperature)
+
+
 @pytest.mark.timeout(60)
 def test_only_a_few_blocks_are_computed_exactly(threads: None) -> None:
     """Correct either way; but a loose bound would compute every block (no faster)."""
@@ -137,6 +162,8 @@ def test_bad_arguments_are_named() -> None:
         screen(torch.zeros(1, 63, dtype=torch.bfloat16), 256)
     with pytest.raises(ValueError, match="vocab <= 256"):
         screen(torch.zeros(1, 64, dtype=torch.bfloat16), 257)
+    with pytest.raises(ValueError, match=r"noise \[1, >= 256\]"):
+        screen(torch.zeros(1, 64, dtype=torch.bfloat16), 256, torch.ones(1), torch.zeros(1, 255))
 
 
 def test_the_int8_copy_bounds_its_rounding() -> None:

@@ -157,13 +157,14 @@ def test_long_prefills_run_the_mlp_in_chunks_with_the_same_numbers(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_greedy_steps_take_their_tokens_from_the_lm_head_screen(
+def test_decodes_take_their_tokens_from_the_lm_head_screen(
     arch: str,
     tiny_model_factory: Callable[..., Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Plain greedy rows skip the logits (kernels/lm_head_argmax_cpu.py) for the same tokens
-    as the logits' argmax; rows with logprobs, penalties or sampling still get logits."""
+    """Greedy rows and rows sampled by temperature alone skip the logits
+    (kernels/lm_head_argmax_cpu.py) for the tokens the sampler would pick from them (a seeded
+    request's, the same); rows with penalties or filters still get logits."""
     lib = load_native()
     if lib is None or not lib.linear_bf16_fast:
         pytest.skip("the native linear kernels are not built with AVX512-BF16")
@@ -171,17 +172,18 @@ def test_greedy_steps_take_their_tokens_from_the_lm_head_screen(
     calls: list[int] = []
     real = LmHeadArgmax.__call__
 
-    def spy(self: LmHeadArgmax, hidden: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    def spy(self: LmHeadArgmax, hidden: torch.Tensor, *args: Any) -> torch.Tensor | None:
         calls.append(hidden.shape[0])
-        return real(self, hidden, vocab)
+        return real(self, hidden, *args)
 
     monkeypatch.setattr(LmHeadArgmax, "__call__", spy)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    penalised = SamplingParams(
-        max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.3
-    )
+    common: dict[str, Any] = dict(max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, **common)
+    sampled = [SamplingParams(temperature=0.8, seed=i, **common) for i in range(len(_prompts()))]
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, **common)
+    filtered = SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common)
 
-    def tokens(params: SamplingParams) -> list[list[int]]:
+    def tokens(params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32)
         try:
             outs = llm.generate(_prompts(), params, use_tqdm=False)
@@ -189,11 +191,14 @@ def test_greedy_steps_take_their_tokens_from_the_lm_head_screen(
         finally:
             llm.shutdown()
 
-    screened = tokens(greedy)
-    assert calls and max(calls) <= 5
-    calls.clear()
+    screened = []
+    for params in (greedy, sampled):
+        screened.append(tokens(params))
+        assert calls and max(calls) <= 5
+        calls.clear()
     tokens(penalised)
+    tokens(filtered)
     assert not calls
     monkeypatch.setattr(cpu_forward, "_lm_head_argmax", lambda lm_head: None)
-    assert tokens(greedy) == screened
+    assert [tokens(greedy), tokens(sampled)] == screened
     assert not calls
