@@ -250,7 +250,7 @@ class ModelRunner:
                         logits, batch.sample_req_ids, scheduler_output.grammar_bitmask
                     )
                 sampler_out = self.sampler.forward(logits, metadata)
-                # A NaN logit sampled means a broken row (argmax and the exponential race both
+                # A NaN logit sampled means a broken row (argmax and the Gumbel-max both
                 # pick NaN first): that request fails alone. O(S), and in the same sync.
                 picked = logits.gather(1, sampler_out.sampled_token_ids[:, None])[:, 0]  # [S]
                 sampled = torch.where(
