@@ -151,6 +151,10 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _i64, _ptr, _ptr, _i64,  # vocab (columns searched), temperatures, noise, its stride
         _ptr, _int,  # out (int64 [rows]), threads
     )),
+    "ae_lm_head_quantize": (None, (
+        _ptr, _i64, _i64, _i64,  # packed weight (as ae_linear_bf16), N, K, packed K
+        _ptr, _ptr, _ptr, _int,  # q [blocks][K][64] int8, scale, rnorm (fp32 [blocks * 64])
+    )),
     "ae_decode_layers_bf16": (_int, (
         _ptr, _i64, _i64, _i64,  # layers [L][AE_LAYER_FIELDS] (int64), L, tokens, hidden
         _i64, _i64, _i64, _i64,  # H_q, H_kv, D, intermediate
@@ -196,6 +200,7 @@ class NativeKernels:
     # where column j of a dense panel sits among the 16 values of one k (ae_dense_panel_order)
     dense_panel_order: tuple[int, ...]
     lm_head_argmax_bf16: Callable[..., int]
+    lm_head_quantize: Callable[..., None]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
@@ -284,6 +289,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         linear_dense_simd=bool(_function(lib, "ae_linear_dense_simd")()),
         dense_panel_order=_panel_order(_function(lib, "ae_dense_panel_order")),
         lm_head_argmax_bf16=_function(lib, "ae_lm_head_argmax_bf16"),  # type: ignore[arg-type]
+        lm_head_quantize=_function(lib, "ae_lm_head_quantize"),
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
         pool_test_delay_helpers=_function(lib, "ae_pool_test_delay_helpers"),  # type: ignore[arg-type]

@@ -66,16 +66,6 @@ class LinearCpu:
     def bias(self) -> torch.Tensor | None:
         return self._bias
 
-    def weight_blocks(self) -> torch.Tensor:
-        """The packed weight as the kernels read it, a view (no copy; valid while this object
-        lives): [ceil(out / 64), packed_k / 2, 64, 2] bf16."""
-        blocks = -(-self._n // NATIVE_BLOCK)
-        raw = (ctypes.c_uint16 * (blocks * self._packed_k * NATIVE_BLOCK)).from_address(
-            self._address
-        )
-        flat = torch.frombuffer(raw, dtype=torch.bfloat16)
-        return flat.view(blocks, self._packed_k // 2, NATIVE_BLOCK, 2)
-
     @property
     def bias_address(self) -> int:
         """The bias's address; 0 where there is none."""

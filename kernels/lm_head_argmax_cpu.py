@@ -11,8 +11,8 @@ the index `argmax(lm_head(hidden)[:, :vocab])` gives, bit for bit, never an esti
 sampled at a temperature T with the sampler's Gumbel noise g (`Sampler.gumbel_noise`) work the
 same way on the scores logits / T + g.
 
-The price is the copy's memory (vocab x hidden bytes) and building it at load (a second or
-two for a 152k vocabulary).
+The price is the copy's memory (vocab x hidden bytes) and building it at load
+(`ae_lm_head_quantize`, from the packed weight: ~0.1 s for a 152k vocabulary).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from asyncengine.kernels.linear_cpu import NATIVE_BLOCK, LinearCpu
 # The most rows a call screens: more rows make the product compute-bound, where the int8
 # copy's widening costs more than the bf16 dot products it replaces.
 ARGMAX_MAX_ROWS = 8
-# Weight rows quantised at a time while building (float64 temporaries: ~30 MB at hidden 1024).
-_BUILD_ROWS = 4096
 
 
 class LmHeadArgmax:
@@ -37,20 +35,15 @@ class LmHeadArgmax:
     def __init__(self, linear: LinearCpu) -> None:
         self._lib: NativeKernels = require_native()
         self._linear = linear
-        blocks = linear.weight_blocks()  # [B, Kp / 2, 64, 2]
         n, k = linear.shape
-        num_blocks = blocks.shape[0]
+        num_blocks = -(-n // NATIVE_BLOCK)
         self.q = torch.empty(num_blocks, k, NATIVE_BLOCK, dtype=torch.int8)  # [B, K, 64]
         self.scale = torch.empty(num_blocks * NATIVE_BLOCK, dtype=torch.float32)
         self.rnorm = torch.empty(num_blocks * NATIVE_BLOCK, dtype=torch.float32)
-        step = max(1, _BUILD_ROWS // NATIVE_BLOCK)
-        for b0 in range(0, num_blocks, step):
-            b1 = min(b0 + step, num_blocks)
-            rows = slice(b0 * NATIVE_BLOCK, b1 * NATIVE_BLOCK)
-            # [b, Kp/2, 64, 2] -> [b * 64, Kp] -> the K real columns
-            w = blocks[b0:b1].permute(0, 2, 1, 3).reshape((b1 - b0) * NATIVE_BLOCK, -1)[:, :k]
-            q, self.scale[rows], self.rnorm[rows] = _quantize(w)
-            self.q[b0:b1] = q.view(b1 - b0, NATIVE_BLOCK, k).transpose(1, 2)
+        self._lib.lm_head_quantize(
+            linear.address, n, k, linear.packed_k, self.q.data_ptr(), self.scale.data_ptr(),
+            self.rnorm.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
         self._bias = linear.bias
         self._bias_address = 0 if self._bias is None else self._bias.data_ptr()
         self._n, self._k = n, k
@@ -108,21 +101,3 @@ class LmHeadArgmax:
         if rows and int(out.min()) < 0:
             return None
         return out
-
-
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of w (bf16) as int8 q, a float32 scale s and a float32 rnorm >= ||w - s q||_2.
-
-    In float64, where w, s and s * q are exact, so the rounding error |w - s q| is at most
-    s / 2 (the kernel relies on that) and its norm is rounded up into float32.
-    """
-    wd = w.double()
-    amax = wd.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, 1.0).float()
-    sd = scale.double()[:, None]
-    q = torch.round(wd / sd).clamp_(-127, 127)
-    norm = (wd - sd * q).norm(dim=1) * (1 + 1e-12)
-    rnorm = norm.float()
-    up = torch.nextafter(rnorm, torch.tensor(float("inf")))
-    rnorm = torch.where(rnorm.double() < norm, up, rnorm)
-    return q.to(torch.int8), scale, rnorm

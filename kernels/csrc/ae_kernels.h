@@ -117,6 +117,9 @@ int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int
                                int64_t Kp, const void *bias, int64_t vocab, const float *temps,
                                const float *noise, int64_t noise_st, int64_t *out,
                                int num_threads);
+/* lm_head_argmax.c: the int8 copy that ae_lm_head_argmax_bf16 screens with, from the packed W */
+void ae_lm_head_quantize(const void *w, int64_t N, int64_t K, int64_t Kp, int8_t *q, float *scale,
+                         float *rnorm, int num_threads);
 
 /* ---- Shared between the .c files, not called from Python ---- */
 

@@ -31,6 +31,9 @@
 
 #include <float.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -436,4 +439,47 @@ int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int
                               num_threads);
     }
     return exact;
+}
+
+/*
+ * The int8 copy of W that the screen reads, from W packed as ae_linear_bf16 reads it ([blocks]
+ * [Kp / 2][64][2] bf16, N rows): per row n, scale[n] = max_k |W[n][k]| / 127 (1 for a row of
+ * zeros, and for the padding rows up to blocks * 64), q[b][k][c] = round(W[n][k] / scale[n])
+ * (n = b * 64 + c; half to even), and rnorm[n] >= ||W[n] - scale[n] q[n]||_2, rounded up. In
+ * double, where W, scale, scale * q and their difference are exact, so |W - scale q| <=
+ * scale / 2 elementwise, as the screen's bound assumes. Parallel over blocks.
+ */
+void ae_lm_head_quantize(const void *w, int64_t N, int64_t K, int64_t Kp, int8_t *q, float *scale,
+                         float *rnorm, int num_threads) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    const uint16_t *wv = w;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = wv + b * Kp * BLOCK;
+        int8_t *qb = q + b * K * BLOCK;
+        for (int64_t c = 0; c < BLOCK; c++) {
+            const int64_t n = b * BLOCK + c;
+            /* W[n][k] sits at wb[(k / 2) * 128 + c * 2 + k % 2]; a padding row is zeros */
+#define W_NK(k) (n < N ? (double)bf16_to_f32(wb[((k) >> 1) * 2 * BLOCK + c * 2 + ((k) & 1)]) : 0.0)
+            double amax = 0.0;
+            for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs(W_NK(k)));
+            const float sf = amax > 0.0 ? (float)(amax / 127.0) : 1.0f;
+            const double sd = sf;
+            double sq = 0.0;
+            for (int64_t k = 0; k < K; k++) {
+                const double v = W_NK(k);
+                double qv = nearbyint(v / sd);
+                qv = qv > 127.0 ? 127.0 : qv < -127.0 ? -127.0 : qv;
+                const double r = v - sd * qv;
+                sq += r * r;
+                qb[k * BLOCK + c] = (int8_t)qv;
+            }
+            const double norm = sqrt(sq) * (1.0 + 1e-12);
+            float rn = (float)norm;
+            if ((double)rn < norm) rn = nextafterf(rn, INFINITY);
+            scale[n] = sf;
+            rnorm[n] = rn;
+#undef W_NK
+        }
+    }
 }
