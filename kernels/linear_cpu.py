@@ -46,6 +46,7 @@ class LinearCpu:
         self._n, self._k = shape
         self._bias = None if bias is None else bias.detach().contiguous()
         self._bias_address = None if self._bias is None else self._bias.data_ptr()
+        self._blocks: torch.Tensor | None = None  # rows()'s view of the packed weight
 
     @property
     def address(self) -> int:
@@ -65,6 +66,19 @@ class LinearCpu:
     @property
     def bias(self) -> torch.Tensor | None:
         return self._bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, in] bf16
+        """Rows `ids` of the weight, gathered from the packed layout (a tied embedding's
+        lookup, without a plain copy of the weight): the same values, a new tensor."""
+        if self._blocks is None:  # a view of the packed memory (this object keeps it alive)
+            count = -(-self._n // NATIVE_BLOCK) * self._packed_k * NATIVE_BLOCK
+            raw = (ctypes.c_uint16 * count).from_address(self._address)
+            flat = torch.frombuffer(raw, dtype=torch.bfloat16)
+            self._blocks = flat.view(-1, self._packed_k // 2, NATIVE_BLOCK, 2)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self._n:
+            raise IndexError(f"row ids must lie in [0, {self._n})")
+        picked = self._blocks[ids // NATIVE_BLOCK, :, ids % NATIVE_BLOCK, :]  # [T, in/2, 2]
+        return picked.reshape(ids.shape[0], self._packed_k)[:, : self._k].contiguous()
 
     @property
     def bias_address(self) -> int:

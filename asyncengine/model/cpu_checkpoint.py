@@ -33,7 +33,7 @@ import torch
 
 from asyncengine.config import ModelConfig
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
-from asyncengine.model.cpu_linear import linear_layer, packs
+from asyncengine.model.cpu_linear import PackedLinear, linear_layer, packs
 from asyncengine.model.lean_layer import LeanLayer
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 
@@ -93,12 +93,21 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             layers.append(_load_layer(plan, i, get, keep, maybe))
             if copy_kept:  # the layer holds copies only: its pages of the file can go
                 tensors.release()
-        embed = keep("model.embed_tokens.weight")
-        lm_head = linear_layer(embed if plan.tied else get("lm_head.weight"), None)
+        embed_plain = keep("model.embed_tokens.weight")
+        lm_head = linear_layer(embed_plain if plan.tied else get("lm_head.weight"), None)
+        embed: torch.Tensor | None = embed_plain
+        embed_rows = None
+        native = lm_head.native if isinstance(lm_head, PackedLinear) else None
+        if plan.tied and native is not None:
+            # The lookup gathers from the lm_head's packed copy: no second copy of the
+            # embedding (272 MB at Qwen2.5-0.5B's shapes).
+            embed_rows, embed = native.rows, None
+        del embed_plain
         if copy_kept:
             tensors.release()
         forward = CpuForward(
             embed_weight=embed,
+            embed_rows=embed_rows,
             rotary=RotaryEmbedding(plan.rope),
             final_norm=keep("model.norm.weight"),
             final_eps=plan.eps,

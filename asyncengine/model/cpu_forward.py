@@ -72,15 +72,21 @@ class CpuForward:
     def __init__(
         self,
         *,
-        embed_weight: torch.Tensor,  # [V, hidden], plain: the lookup reads rows
+        embed_weight: torch.Tensor | None,  # [V, hidden], plain: the lookup reads rows
         rotary: Rotary,  # (x, position_ids [1, T]) -> cos, sin [1, T, D], as transformers'
         final_norm: torch.Tensor,
         final_eps: float,
         lm_head: nn.Module,
         head_dim: int,
         layers: list[LeanLayer],
+        embed_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        # The lookup: embed_rows(ids) where given (a tied embedding read from the lm_head's
+        # packed weight, LinearCpu.rows), else rows of embed_weight.
+        if embed_rows is None and embed_weight is None:
+            raise ValueError("CpuForward needs embed_weight or embed_rows")
         self._embed_weight = embed_weight
+        self._embed_rows = embed_rows
         self._rotary = rotary
         self._final_norm = final_norm
         self._final_eps = final_eps
@@ -139,7 +145,11 @@ class CpuForward:
         """The logits of the rows `logits_indices` names; with `token_choice`, possibly their
         tokens instead (see model/interface.py): through the int8 screen of the lm_head, for
         steps of a few rows."""
-        residual = F.embedding(input_ids, self._embed_weight)  # [T, hidden]
+        if self._embed_rows is not None:
+            residual = self._embed_rows(input_ids)  # [T, hidden]
+        else:
+            assert self._embed_weight is not None
+            residual = F.embedding(input_ids, self._embed_weight)
         cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
         if attn.backend.name != "cpu":  # the cache layout its rotary kernel writes

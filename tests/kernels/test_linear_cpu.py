@@ -115,3 +115,24 @@ def test_a_packing_in_another_layout_is_refused() -> None:
     # A packing of another size.
     smaller = torch.ops.mkldnn._reorder_linear_weight(weight[:, :32].contiguous(), 64)
     assert linear_cpu._packed_k(weight, smaller) is None
+
+
+@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+def test_rows_gathered_from_the_packed_weight_are_the_weights_rows() -> None:
+    """A tied embedding's lookup reads the lm_head's packed weight (LinearCpu.rows)."""
+    lib = load_native()
+    if lib is None or not lib.linear_bf16_fast:
+        pytest.skip("the native kernel's fast path is not built (AVX512-BF16)")
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(300, 77, generator=g).to(torch.bfloat16)  # odd width, a short block
+    layer = linear_cpu.prepare_linear_cpu(
+        weight, None, torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    )
+    assert layer is not None
+    ids = torch.tensor([0, 299, 64, 63, 5, 5, 200])
+    rows = layer.rows(ids)
+    assert rows.is_contiguous() and torch.equal(rows, weight[ids])
+    rows.add_(1)  # a new tensor: the weight is untouched
+    assert torch.equal(layer.rows(ids), weight[ids])
+    with pytest.raises(IndexError, match=r"\[0, 300\)"):
+        layer.rows(torch.tensor([300]))

@@ -153,6 +153,12 @@ def test_checkpoints_load_to_transformers_numbers(
         assert (model_dir / "model.safetensors.index.json").is_file()
     config = EngineConfig.from_kwargs(str(model_dir)).model_config
     assert cpu_checkpoint.lean_checkpoint_reason(config) is None
+    if case.startswith("tied"):  # the lookup reads the lm_head's packed weight, where it can
+        bf16 = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+        forward = cpu_checkpoint.load_cpu_forward(bf16)
+        native = forward._lm_head.native  # type: ignore[attr-defined]
+        assert (forward._embed_rows is not None) == (native is not None)
+        assert (forward._embed_weight is None) == (native is not None)
     lean = _run(model_dir, "bfloat16")
     monkeypatch.setattr(cpu_checkpoint, "lean_checkpoint_reason", lambda config: "switched off")
     assert _run(model_dir, "bfloat16") == lean
