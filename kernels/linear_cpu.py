@@ -63,10 +63,6 @@ class LinearCpu:
         """(out_features, in_features)."""
         return self._n, self._k
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self._bias
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, in] bf16
         """Rows `ids` of the weight, gathered from the packed layout (a tied embedding's
         lookup, without a plain copy of the weight): the same values, a new tensor."""

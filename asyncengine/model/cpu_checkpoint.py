@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import logging
 from collections.abc import Iterator
@@ -93,20 +94,18 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             layers.append(_load_layer(plan, i, get, keep, maybe))
             if copy_kept:  # the layer holds copies only: its pages of the file can go
                 tensors.release()
-        embed_plain = keep("model.embed_tokens.weight")
-        lm_head = linear_layer(embed_plain if plan.tied else get("lm_head.weight"), None)
-        embed: torch.Tensor | None = embed_plain
-        embed_rows = None
+        embed = keep("model.embed_tokens.weight")
+        lm_head = linear_layer(embed if plan.tied else get("lm_head.weight"), None)
         native = lm_head.native if isinstance(lm_head, PackedLinear) else None
-        if plan.tied and native is not None:
-            # The lookup gathers from the lm_head's packed copy: no second copy of the
-            # embedding (272 MB at Qwen2.5-0.5B's shapes).
-            embed_rows, embed = native.rows, None
-        del embed_plain
+        # A tied lookup gathers from the lm_head's packed copy where it can: then the plain
+        # copy goes (272 MB at Qwen2.5-0.5B's shapes).
+        embed_rows = native.rows if plan.tied and native is not None else None
+        embed_weight = None if embed_rows is not None else embed
+        del embed
         if copy_kept:
             tensors.release()
         forward = CpuForward(
-            embed_weight=embed,
+            embed_weight=embed_weight,
             embed_rows=embed_rows,
             rotary=RotaryEmbedding(plan.rope),
             final_norm=keep("model.norm.weight"),
@@ -253,6 +252,7 @@ class _Tensors:
     def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
         self._files, self._stack = files, stack
         self._handles: dict[Path, Any] = {}
+        self._mapped: list[tuple[int, int]] = []  # the files' mappings' address ranges
         self._read: list[tuple[int, int]] = []  # (address, bytes) of the views handed out
 
     def read(self, name: str) -> torch.Tensor:
@@ -261,6 +261,7 @@ class _Tensors:
         path = self._files[name]
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))  # type: ignore[no-untyped-call]
+            self._mapped = _mappings({str(p) for p in self._handles})
         tensor: torch.Tensor = self._handles[path].get_tensor(name)
         self._read.append((tensor.data_ptr(), tensor.nbytes))
         return tensor
@@ -269,13 +270,12 @@ class _Tensors:
         """Drop the read tensors' pages that lie inside a mapping of one of the files."""
         read, self._read = self._read, []
         madvise = _libc_function("madvise")
-        if madvise is None or not read:
+        if madvise is None:
             return
-        mapped = _mappings({str(p) for p in self._handles})
         for address, size in read:
             start = address & ~(self._PAGE - 1)
             end = address + size
-            if any(lo <= start and end <= hi for lo, hi in mapped):
+            if any(lo <= start and end <= hi for lo, hi in self._mapped):
                 madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), self._MADV_DONTNEED)
 
 
@@ -295,8 +295,9 @@ def _mappings(paths: set[str]) -> list[tuple[int, int]]:
     return ranges
 
 
+@functools.cache
 def _libc_function(name: str) -> Any:
-    """A glibc function by name, or None (not glibc, or not found)."""
+    """A glibc function by name, or None (not glibc, or not found); looked up once."""
     libc = ctypes.util.find_library("c")
     if libc is None:
         return None

@@ -125,11 +125,7 @@ class ModelRunner:
             states = [self.requests[r].sampling for r in batch.sample_req_ids]
             metadata = build_sampling_metadata(states, self.model_config.vocab_size, self.device)
         choice = None
-        if (
-            metadata is not None
-            and grammar_bitmask is None
-            and metadata.num_rows <= self.model.token_choice_rows
-        ):
+        if metadata is not None and grammar_bitmask is None:
             choice = self._token_choice(scheduler_output, metadata)
         out = self.model(  # [S, V] logits, or [S] tokens
             batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice
@@ -143,9 +139,12 @@ class ModelRunner:
     ) -> TokenChoice | None:
         """What the model may pick itself (model/interface.py): rows sampled greedily or by
         temperature alone, with no grammar, penalty, min_tokens, logprobs or filter; else
-        None (the sampler then needs the logits)."""
+        None (the sampler then needs the logits), and for more rows than the model takes
+        (no noise drawn for nothing)."""
+        assert self.model is not None
         if (
-            scheduler_output.grammar_bitmask is not None
+            metadata.num_rows > self.model.token_choice_rows
+            or scheduler_output.grammar_bitmask is not None
             or not metadata.no_penalties
             or metadata.min_tokens_indices is not None
             or metadata.max_num_logprobs is not None
@@ -233,7 +232,7 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         batch: _BatchInputs,
-        out: torch.Tensor,  # [S, V] logits, or [S] the greedy tokens themselves
+        out: torch.Tensor,  # [S, V] logits, or [S] the sampled tokens themselves
         metadata: SamplingMetadata | None,  # the driver's, where rows are sampled
     ) -> ModelRunnerOutput:
         sampled_by_req: dict[str, list[int]] = {}

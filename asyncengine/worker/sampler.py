@@ -103,7 +103,7 @@ class Sampler(torch.nn.Module):
 
         Seeded rows overwrite their noise with their own generator, so their tokens depend
         only on (seed, step) and their logits, whatever their batch; the model may take this
-        noise to pick the tokens itself (ModelForward's `argmax_noise`). On CPU, uniform_ and
+        noise to pick the tokens itself (ModelForward's `token_choice`). On CPU, uniform_ and
         two logs are ~5x faster than exponential_.
         """
         device = metadata.temperature.device if metadata.temperature is not None else None
