@@ -246,8 +246,11 @@ async def test_bad_requests_raise_value_error_for_their_sender_only(engine: Asyn
         async for _ in engine.generate(prompt, params, **kw):  # type: ignore[arg-type]
             pass
 
+    # Long enough to be running still after its first read: 12 tokens could all be out by
+    # then on a fast engine (the whole request merged into that read).
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with anyio.fail_after(60):
-        async with aclosing(engine.generate("hello", GREEDY)) as good:
+        async with aclosing(engine.generate("hello", long)) as good:
             first = await good.__anext__()
             for args, kw, match in [
                 (("",), {}, "empty"),
