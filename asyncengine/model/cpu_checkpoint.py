@@ -25,6 +25,7 @@ import ctypes.util
 import functools
 import json
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -94,14 +95,16 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             layers.append(_load_layer(plan, i, get, keep, maybe))
             if copy_kept:  # the layer holds copies only: its pages of the file can go
                 tensors.release()
-        embed = keep("model.embed_tokens.weight")
-        lm_head = linear_layer(embed if plan.tied else get("lm_head.weight"), None)
+            # and so can the heap the layer's temporaries (joined weights before packing)
+            # held: malloc keeps them otherwise, and the load would peak at twice its size.
+            _release_free_heap()
+        embed_name = "model.embed_tokens.weight"
+        lm_head = linear_layer(get(embed_name if plan.tied else "lm_head.weight"), None)
         native = lm_head.native if isinstance(lm_head, PackedLinear) else None
-        # A tied lookup gathers from the lm_head's packed copy where it can: then the plain
-        # copy goes (272 MB at Qwen2.5-0.5B's shapes).
+        # A tied lookup gathers from the lm_head's packed copy where it can; only without
+        # one is the table read (copied) again (272 MB at Qwen2.5-0.5B's shapes).
         embed_rows = native.rows if plan.tied and native is not None else None
-        embed_weight = None if embed_rows is not None else embed
-        del embed
+        embed_weight = None if embed_rows is not None else keep(embed_name)
         if copy_kept:
             tensors.release()
         forward = CpuForward(
@@ -261,7 +264,8 @@ class _Tensors:
         path = self._files[name]
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))  # type: ignore[no-untyped-call]
-            self._mapped = _mappings({str(p) for p in self._handles})
+            # /proc/self/maps names files by their resolved paths
+            self._mapped = _mappings({os.path.realpath(p) for p in self._handles})
         tensor: torch.Tensor = self._handles[path].get_tensor(name)
         self._read.append((tensor.data_ptr(), tensor.nbytes))
         return tensor

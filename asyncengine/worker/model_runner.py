@@ -7,6 +7,8 @@ model forward with logits only at sampling positions → Sampler → ModelRunner
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,9 +103,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = (2, self.num_local_kv_heads, num_blocks, self.block_size, mc.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = [_zeroed(shape, self.dtype, self.device) for _ in range(mc.num_layers)]
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -289,3 +289,17 @@ def _logprobs_entries(
         if n is not None:
             entries[req_id] = (ids[row][: n + 1], lps[row][: n + 1], int(ranks[row]))
     return entries
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU, of anonymous-mapping pages that become resident only
+    when first written (torch.zeros writes, so commits, every page up front).
+
+    The KV cache is sized for the worst case and mostly unused in a quiet service: its
+    untouched blocks then cost no memory. The mapping lives as long as the tensor.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: zero-filled when touched
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

@@ -21,9 +21,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 KW = {k: v for k, v in ENGINE_KW.items() if k != "num_kv_blocks"}
 
 
-def _tree_rss(pid: int) -> int:
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """Resident and virtual bytes of `pid` and its descendants."""
     root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    infos = [p.memory_info() for p in [root, *root.children(recursive=True)]]
+    return sum(i.rss for i in infos), sum(i.vms for i in infos)
 
 
 async def _final(engine: AsyncLLM, prompt: str) -> RequestOutput:
@@ -41,10 +43,14 @@ async def test_sleep_releases_memory_and_wake_up_restores_the_engine(
         pid = client.proc.pid
         assert pid is not None
         before = await _final(engine, "hello world")
-        awake_rss = _tree_rss(pid)
+        awake_rss, awake_vms = _tree_memory(pid)
         await engine.sleep(level=level)
         assert engine.is_sleeping
-        assert _tree_rss(pid) < awake_rss - 128 * 2**20  # most of the 256 MiB cache is back
+        # The CPU cache's pages are resident only where blocks were written (a few here), so
+        # its release shows in the address space: the whole 256 MiB mapping is gone.
+        asleep_rss, asleep_vms = _tree_memory(pid)
+        assert asleep_vms < awake_vms - 200 * 2**20
+        assert asleep_rss <= awake_rss
         late: list[RequestOutput] = []
 
         async def queued() -> None:

@@ -257,3 +257,35 @@ def test_bf16_weights_without_packing_leave_no_file_mapped(
     plain = (cpu_linear.DenseLinear, cpu_linear.NativeDenseLinear)  # (AVX2: packed, a copy)
     assert all(isinstance(m, plain) for m in forward.linear_layers())
     assert str(model_dir / "model.safetensors") not in Path("/proc/self/maps").read_text()
+
+
+def _mapping_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (its resolved name), from smaps."""
+    name, total, inside = str(path.resolve()), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and ":" not in fields[0]:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == name
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_release_drops_the_pages_read_through_a_symlinked_folder(tmp_path: Path) -> None:
+    """/proc/self/maps names the file by its resolved path: a model folder given through a
+    symlink (or a relative path) must still have its read pages dropped."""
+    from contextlib import ExitStack
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "real").mkdir()
+    save_file({"w": torch.ones(1024, 1024)}, str(tmp_path / "real" / "model.safetensors"))
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    path = tmp_path / "link" / "model.safetensors"
+    with ExitStack() as stack:
+        tensors = cpu_checkpoint._Tensors({"w": path}, stack)
+        assert tensors.read("w").sum().item() == 1024 * 1024  # every page read
+        assert _mapping_rss_kb(path) >= 3 * 1024
+        tensors.release()
+        assert _mapping_rss_kb(path) < 256
