@@ -7,8 +7,12 @@ A block is in exactly one of two states:
   block (``block_hash`` set): it can be revived by a prefix-cache hit until it is
   reallocated, at which point its hash is evicted.
 
-The free queue is ordered by eviction priority: blocks are popped from the head and
-appended to the tail when freed, so the least recently freed block is evicted first.
+The free queue is ordered by allocation priority, popped from the head. A freed block that
+holds a cached block goes to the tail, so the least recently freed cached block is evicted
+first (LRU). A freed block without one (a partial last block, or any block with prefix
+caching off or just reset) goes to the head: its contents are worth nothing, so it is reused
+before any cached block is evicted, and the most recently freed first, while its pages are
+resident and warm (the CPU's KV cache is committed page by page as blocks are first written).
 """
 
 from __future__ import annotations
@@ -68,14 +72,23 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (the last to be evicted)."""
-        if block.prev_free_block is not None or block.next_free_block is not None:
-            raise RuntimeError(f"block {block.block_id} is already in the free queue")
         last = self._tail.prev_free_block
         assert last is not None
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
+        self._link(last, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the head (the next to be taken)."""
+        self._link(self._head, block)
+
+    def _link(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise RuntimeError(f"block {block.block_id} is already in the free queue")
+        nxt = prev.next_free_block
+        assert nxt is not None
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = nxt
+        nxt.prev_free_block = block
         self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -133,8 +146,9 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; blocks reaching 0 go to the free-queue tail
-        in the given order, so the first of ``ordered_blocks`` is evicted first.
+        """Drop one reference on each block. Cached blocks reaching 0 go to the free-queue
+        tail in the given order, so the first of ``ordered_blocks`` is evicted first;
+        uncached ones go to the head, to be reused before any cached block is evicted.
 
         Freeing a block that is already free is a bug and raises RuntimeError.
         """
@@ -143,7 +157,10 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed while already free")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The block holding the full block with this chained hash, if still cached."""
@@ -168,8 +185,15 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (in use or free). Blocks in use stay allocated.
 
-        Returns True (the reset always succeeds; a bool for API parity with vLLM).
+        Returns True (the reset always succeeds; a bool for API parity with vLLM). The free
+        blocks that were cached move to the head of the free queue, the most recently freed
+        first: like any uncached free block, they are the next to be reused.
         """
+        queue = self.free_block_queue
+        for block in queue.get_all_free_blocks():  # head (least recently freed) first
+            if block.block_hash is not None:
+                queue.remove(block)
+                queue.appendleft(block)
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -57,12 +57,39 @@ def test_get_new_blocks_takes_from_head_with_one_ref() -> None:
     assert pool.num_free_blocks == 1  # the failed call took nothing
 
 
-def test_free_appends_to_tail_in_order() -> None:
+def test_free_appends_cached_blocks_to_tail_in_order() -> None:
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)
+    for block in blocks:
+        pool.cache_full_block(block, bytes([block.block_id]))
     pool.free_blocks(reversed(blocks))
     assert free_ids(pool) == [3, 2, 1, 0]
     assert pool.usage == 0.0
+
+
+def test_uncached_blocks_are_reused_before_cached_ones_are_evicted() -> None:
+    """A freed block without a hash goes to the head, most recently freed first: it is the
+    next taken (still resident), and no cached block is evicted while one is free."""
+    pool = BlockPool(5)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_full_block(a, b"h-a")
+    pool.free_blocks([a, b, c])  # a cached: tail; b, then c: head
+    assert free_ids(pool) == [2, 1, 4, 0]
+    assert pool.get_new_blocks(3) == [c, b, pool.blocks[4]]
+    assert pool.get_cached_block(b"h-a") is a  # still cached: three others went first
+    assert d.ref_cnt == 1
+
+
+def test_reset_prefix_cache_moves_freed_cached_blocks_to_the_head() -> None:
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(3)
+    for block in blocks:
+        pool.cache_full_block(block, bytes([block.block_id]))
+    pool.free_blocks(blocks)  # tail: 0, 1, 2 (2 the most recently freed)
+    assert free_ids(pool) == [3, 0, 1, 2]
+    pool.reset_prefix_cache()
+    assert free_ids(pool) == [2, 1, 0, 3]  # reused before the never-written block 3
+    assert all(block.block_hash is None for block in pool.blocks)
 
 
 def test_double_free_raises() -> None:

@@ -290,8 +290,9 @@ def test_eviction_is_least_recently_freed_first() -> None:
     schedule(mgr, a)  # blocks 0, 1 (block 0 full and cached)
     schedule(mgr, b)  # blocks 2, 3
     mgr.free(b)
-    mgr.free(a)  # b's blocks were freed first: they go first
-    schedule(mgr, make_request("x", [7, 7, 7, 7]))
+    mgr.free(a)  # b's cached block was freed first: it is evicted first
+    # Three blocks: the two uncached ones (1 and 3, reused before any eviction), then b's.
+    schedule(mgr, make_request("x", [7, 7, 7, 7, 7]))
     assert mgr.get_computed_blocks(make_request("b2", [2, 2, 0]))[1] == 0
     assert mgr.get_computed_blocks(make_request("a2", [1, 1, 0]))[1] == 2
 
