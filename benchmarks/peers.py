@@ -114,17 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for number in range(args.rounds):
             if len(per_round) <= number:
                 per_round.append([])
+            runs_of: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+            for engine, mode in round_plan(engines, modes, number):
+                print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {mode} ...",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                record = _run_mode(engine, mode, name, folder, pythons, args)
+                if "error" in record:
+                    failures.append(f"{engine} {mode} on {name}: {record['error']}")
+                    print(f"  FAILED: {record['error']}", file=sys.stderr)
+                    continue
+                runs_of[engine].append(record)
             for engine in round_order(engines, number):
-                runs = []
-                for mode in (m for m in modes if m in ENGINE_MODES[engine]):
-                    print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {mode} ...",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    record = _run_mode(engine, mode, name, folder, pythons, args)
-                    if "error" in record:
-                        failures.append(f"{engine} {mode} on {name}: {record['error']}")
-                        print(f"  FAILED: {record['error']}", file=sys.stderr)
-                        continue
-                    runs.append(record)
+                runs = runs_of[engine]
                 if runs:
                     result = merge_runs(engine, label, runs)
                     rounds.setdefault(engine, []).append(result)
@@ -166,6 +167,21 @@ def round_order(engines: Sequence[str], number: int) -> list[str]:
     """The engines in round `number`: as given, then reversed, and so on, so that over two
     rounds every engine runs as often early as late in the machine's drifting minutes."""
     return list(engines) if number % 2 == 0 else list(reversed(engines))
+
+
+def round_plan(engines: Sequence[str], modes: Sequence[str], number: int) -> list[tuple[str, str]]:
+    """The (engine, mode) runs of round `number`: mode by mode, every engine that has the
+    mode back to back, in an order that alternates from mode to mode and round to round
+    (A B, B A, then B A, A B). The machine's bandwidth drifts by a third over minutes, so
+    the runs a ratio compares are taken as close together as they can be (one engine's
+    every mode, then the other's, put minutes between them), and each engine runs as often
+    first as second."""
+    plan = []
+    for index, mode in enumerate(modes):
+        for engine in round_order(engines, number + index):
+            if mode in ENGINE_MODES[engine]:
+                plan.append((engine, mode))
+    return plan
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -355,8 +371,9 @@ def _rounds(args: argparse.Namespace) -> str:
     if rounds <= 1:
         return ""
     return (
-        f" per round; every engine measured in {rounds} rounds, in alternating order, each "
-        "figure the median of the rounds (offline: of all the rounds' timed runs)"
+        f" per round; every engine measured in {rounds} rounds, mode by mode with the engines'"
+        " runs of a mode back to back, in alternating order; each figure the median of the"
+        " rounds (offline: of all the rounds' timed runs)"
     )
 
 

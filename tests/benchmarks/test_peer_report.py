@@ -26,7 +26,7 @@ from benchmarks.peer_report import (
     serve_rows,
 )
 from benchmarks.peer_runner import _stream_stats
-from benchmarks.peers import round_order
+from benchmarks.peers import round_order, round_plan
 
 
 def _stream(tok_s: float, ttft: float, itl: float) -> dict[str, object]:
@@ -205,3 +205,23 @@ def test_rounds_alternate_the_engine_order() -> None:
     assert round_order(engines, 0) == engines
     assert round_order(engines, 1) == engines[::-1]
     assert round_order(engines, 2) == engines
+
+
+def test_a_round_runs_each_mode_of_every_engine_back_to_back_in_alternating_order() -> None:
+    """The runs a ratio compares are adjacent, and each engine runs as often first as second
+    over a round's modes and over two rounds."""
+    engines, modes = ["asyncengine", "llama.cpp"], ["batched", "serve"]
+    assert round_plan(engines, modes, 0) == [
+        ("asyncengine", "batched"), ("llama.cpp", "batched"),
+        ("llama.cpp", "serve"), ("asyncengine", "serve"),
+    ]  # fmt: skip
+    assert round_plan(engines, modes, 1) == [
+        ("llama.cpp", "batched"), ("asyncengine", "batched"),
+        ("asyncengine", "serve"), ("llama.cpp", "serve"),
+    ]  # fmt: skip
+    # an engine without a mode is left out of it; offline comes before async for each engine
+    plan = round_plan(["asyncengine", "vllm-1t", "transformers"], ["offline", "async"], 0)
+    assert plan == [
+        ("asyncengine", "offline"), ("vllm-1t", "offline"), ("transformers", "offline"),
+        ("vllm-1t", "async"), ("asyncengine", "async"),
+    ]  # fmt: skip
