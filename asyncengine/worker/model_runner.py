@@ -301,5 +301,11 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: zero-filled when touched
+    try:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: zero pages
+    except OSError as exc:  # the kernel refuses more than it could ever back
+        raise MemoryError(
+            f"the KV cache needs {nbytes / 2**20:,.0f} MiB per layer, more than this machine "
+            f"can provide ({exc.strerror}): lower kv_cache_memory_bytes or num_kv_blocks"
+        ) from None
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

@@ -43,3 +43,13 @@ def test_zeroed_cpu_pages_become_resident_only_when_written() -> None:
     del t
     gc.collect()
     assert _rss_bytes() - before < size // 8  # unmapped with the tensor
+
+
+@pytest.mark.skipif(
+    not Path("/proc/sys/vm/overcommit_memory").exists()
+    or Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="needs a kernel that refuses mappings it could never back",
+)
+def test_a_cache_larger_than_the_machine_is_refused_with_the_settings_to_change() -> None:
+    with pytest.raises(MemoryError, match="lower kv_cache_memory_bytes or num_kv_blocks"):
+        _zeroed((2**49,), torch.bfloat16, CPU)  # 1 PiB
