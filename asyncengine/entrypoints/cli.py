@@ -46,7 +46,8 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                             help="most requests running at once (default: 256)")),
     ("--max-num-batched-tokens", dict(dest="max_num_batched_tokens", type=int, metavar="N",
                                       help="most tokens in one forward pass (default: 1024 "
-                                           "on CPU when serving, else 2048)")),
+                                           "on CPU when serving, fewer for models over "
+                                           "~250M weights; else 2048)")),
     ("--max-model-len", dict(dest="max_model_len", type=int, metavar="N",
                              help="longest prompt + output, in tokens (default: the model's)")),
     ("--no-enable-prefix-caching", dict(dest="enable_prefix_caching", action="store_const",

@@ -26,7 +26,8 @@ class LLM:
     Keyword arguments are EngineConfig's (dtype, device, block_size, num_kv_blocks,
     kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed). The token budget of a step defaults to
-    2,048 on every device here (serving engines use 1,024 on CPUs, for earlier first tokens).
+    2,048 on every device here (serving engines use 1,024 or fewer on CPUs, for earlier first
+    tokens).
     """
 
     def __init__(self, model: str | os.PathLike[str], **config: Any) -> None:

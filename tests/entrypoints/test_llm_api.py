@@ -252,6 +252,40 @@ def test_the_default_token_budget_depends_on_the_device_and_the_api(tiny_llama: 
         llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        # SmolLM2-135M: 106M weights in the layers
+        ({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+          "num_key_value_heads": 3, "intermediate_size": 1536}, 1024),
+        # Qwen2.5-0.5B: 358M
+        ({"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+          "num_key_value_heads": 2, "intermediate_size": 4864}, 512),
+        # Llama-3-8B: 7B, never below 256
+        ({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "intermediate_size": 14336}, 256),
+    ],
+)  # fmt: skip
+def test_the_cpu_serving_budget_shrinks_for_larger_models(
+    tmp_path: Path, tiny_llama: Path, shape: dict[str, int], expected: int
+) -> None:
+    """A CPU step's time is its tokens times the layers' weights: larger models get fewer
+    tokens a step by default (their steps are stalls for every running stream too), GPUs and
+    explicit budgets are left alone."""
+    import shutil
+
+    from asyncengine.config import EngineConfig
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **shape}))
+    cpu = EngineConfig.from_kwargs(folder, device="cpu")
+    assert cpu.scheduler_config.max_num_batched_tokens == expected
+    given = EngineConfig.from_kwargs(folder, device="cpu", max_num_batched_tokens=2048)
+    assert given.scheduler_config.max_num_batched_tokens == 2048
+
+
 def test_sjf_policy_serves_the_shortest_waiting_prompt_first(tiny_llama: Path) -> None:
     # One request at a time, all queued at once: first tokens come in prompt-length order,
     # and outputs still come back in input order.
