@@ -99,12 +99,18 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             # held: malloc keeps them otherwise, and the load would peak at twice its size.
             _release_free_heap()
         embed_name = "model.embed_tokens.weight"
-        lm_head = linear_layer(get(embed_name if plan.tied else "lm_head.weight"), None)
+        table = get(embed_name) if plan.tied else None  # a view of the file where get packs
+        lm_head = linear_layer(get("lm_head.weight") if table is None else table, None)
         native = lm_head.native if isinstance(lm_head, PackedLinear) else None
-        # A tied lookup gathers from the lm_head's packed copy where it can; only without
-        # one is the table read (copied) again (272 MB at Qwen2.5-0.5B's shapes).
-        embed_rows = native.rows if plan.tied and native is not None else None
-        embed_weight = None if embed_rows is not None else keep(embed_name)
+        # A tied lookup gathers from the lm_head's packed copy where it can (no plain copy
+        # of the table: 272 MB at Qwen2.5-0.5B's shapes). Else it reads a plain table:
+        # `table` itself where that is what keep() gives (a copy; fp32's view), or keep()'s.
+        embed_rows = native.rows if table is not None and native is not None else None
+        embed_weight = None
+        if embed_rows is None:
+            reuse = table is not None and copy_all == copy_kept
+            embed_weight = table if reuse else keep(embed_name)
+        del table
         if copy_kept:
             tensors.release()
         forward = CpuForward(

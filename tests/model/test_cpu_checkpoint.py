@@ -289,3 +289,23 @@ def test_release_drops_the_pages_read_through_a_symlinked_folder(tmp_path: Path)
         assert _mapping_rss_kb(path) >= 3 * 1024
         tensors.release()
         assert _mapping_rss_kb(path) < 256
+
+
+def test_a_tied_table_without_packing_is_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without oneDNN's bf16 packing or the native dense kernel, the lm_head is a plain
+    product over a copy of the table: the lookup reads that same copy, not a second one."""
+    from asyncengine.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_PACKABLE", ())
+    monkeypatch.setattr(cpu_linear, "_dense_native", lambda weight: False)
+    model_dir = build_tiny_model(
+        tmp_path / "m", "llama", dtype="bfloat16", tie_word_embeddings=True
+    )
+    config = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+    forward = cpu_checkpoint.load_cpu_forward(config)
+    lm_head = forward._lm_head  # type: ignore[attr-defined]
+    table = forward._embed_weight  # type: ignore[attr-defined]
+    assert isinstance(lm_head, cpu_linear.DenseLinear)
+    assert table is not None and table.data_ptr() == lm_head.weight.data_ptr()
