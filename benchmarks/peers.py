@@ -115,10 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(per_round) <= number:
                 per_round.append([])
             runs_of: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-            for engine, mode in round_plan(engines, modes, number):
-                print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {mode} ...",
+            for engine, mode, batch in round_plan(engines, modes, number):
+                what = mode if batch is None else f"{mode} {batch}"
+                print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {what} ...",
                       file=sys.stderr, flush=True)  # fmt: skip
-                record = _run_mode(engine, mode, name, folder, pythons, args)
+                record = _run_mode(engine, mode, name, folder, pythons, args, batch)
                 if "error" in record:
                     failures.append(f"{engine} {mode} on {name}: {record['error']}")
                     print(f"  FAILED: {record['error']}", file=sys.stderr)
@@ -169,18 +170,25 @@ def round_order(engines: Sequence[str], number: int) -> list[str]:
     return list(engines) if number % 2 == 0 else list(reversed(engines))
 
 
-def round_plan(engines: Sequence[str], modes: Sequence[str], number: int) -> list[tuple[str, str]]:
-    """The (engine, mode) runs of round `number`: mode by mode, every engine that has the
-    mode back to back, in an order that alternates from mode to mode and round to round
+def round_plan(
+    engines: Sequence[str], modes: Sequence[str], number: int
+) -> list[tuple[str, str, int | None]]:
+    """The (engine, mode, batch) runs of round `number`: mode by mode (the batched mode batch
+    size by batch size, `batch` naming it; None for the others), every engine that has the
+    mode back to back, in an order that alternates from slot to slot and round to round
     (A B, B A, then B A, A B). The machine's bandwidth drifts by a third over minutes, so
     the runs a ratio compares are taken as close together as they can be (one engine's
     every mode, then the other's, put minutes between them), and each engine runs as often
     first as second."""
+    slots: list[tuple[str, int | None]] = []
+    for mode in modes:
+        sizes: list[int | None] = list(CONCURRENCIES) if mode == "batched" else [None]
+        slots.extend((mode, size) for size in sizes)
     plan = []
-    for index, mode in enumerate(modes):
+    for index, (mode, size) in enumerate(slots):
         for engine in round_order(engines, number + index):
             if mode in ENGINE_MODES[engine]:
-                plan.append((engine, mode))
+                plan.append((engine, mode, size))
     return plan
 
 
@@ -272,8 +280,11 @@ def _run_mode(
     folder: Path,
     pythons: dict[str, str],
     args: argparse.Namespace,
+    batch: int | None = None,
 ) -> dict[str, Any]:
-    """One engine's run of one mode on one model: its figures, or {"error": ...}."""
+    """One engine's run of one mode on one model (the batched mode: of one batch size, or of
+    all): its figures, or {"error": ...}."""
+    batches = list(CONCURRENCIES) if batch is None else [batch]
     try:
         if mode == "serve":
             return _serve(engine, name, folder, pythons, args)
@@ -281,12 +292,12 @@ def _run_mode(
             gguf = _gguf(engine, name, folder)
             tok_s = llamacpp.batched_bench(
                 llamacpp.ensure_built(), gguf, prompt_len=BATCHED_PROMPT_LEN,
-                gen_len=BATCHED_GEN_LEN, batches=CONCURRENCIES, threads=args.threads,
+                gen_len=BATCHED_GEN_LEN, batches=batches, threads=args.threads,
             )  # fmt: skip
             return {"batched": {str(b): v for b, v in tok_s.items()}}
     except Exception as exc:  # a failed build, conversion or server: report it, go on
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return _run(engine, mode, folder, pythons[engine], args)
+    return _run(engine, mode, folder, pythons[engine], args, batches)
 
 
 def _gguf(engine: str, name: str, folder: Path) -> Path:
@@ -336,7 +347,12 @@ def _serving_args() -> list[str]:
 
 
 def _run(
-    engine: str, mode: str, folder: Path, python: str, args: argparse.Namespace
+    engine: str,
+    mode: str,
+    folder: Path,
+    python: str,
+    args: argparse.Namespace,
+    concurrencies: Sequence[int] = CONCURRENCIES,
 ) -> dict[str, Any]:
     if not Path(python).exists():
         return {"error": f"no interpreter at {python} (see `nox -s bench_peers`)"}
@@ -352,7 +368,7 @@ def _run(
         "--repeats",
         str(args.repeats),
         "--concurrency",
-        ",".join(str(c) for c in CONCURRENCIES),
+        ",".join(str(c) for c in concurrencies),
     ]
     if engine.startswith("llama.cpp"):
         return {"error": f"llama.cpp has no {mode} run"}

@@ -76,6 +76,15 @@ def test_merge_keeps_the_offline_ready_time_and_the_largest_memory() -> None:
     assert ours.async_tok_s(64) == 5000 and ours.async_tok_s(16) is None
 
 
+def test_batched_runs_of_one_batch_size_each_add_up() -> None:
+    merged = merge_runs(
+        "llama.cpp",
+        "a",
+        [{"batched": {"1": 100.0}}, {"batched": {"16": 400.0}}, {"batched": {"64": 600.0}}],
+    )
+    assert merged.data["batched"] == {"1": 100.0, "16": 400.0, "64": 600.0}
+
+
 def test_best_vllm_takes_the_better_setting_per_figure() -> None:
     results = _results()
     by_name = {t.name: t for t in TARGETS}
@@ -208,20 +217,22 @@ def test_rounds_alternate_the_engine_order() -> None:
 
 
 def test_a_round_runs_each_mode_of_every_engine_back_to_back_in_alternating_order() -> None:
-    """The runs a ratio compares are adjacent, and each engine runs as often first as second
-    over a round's modes and over two rounds."""
+    """The runs a ratio compares are adjacent (the batched mode's, batch size by batch size),
+    and each engine runs as often first as second over a round's slots and over two rounds."""
     engines, modes = ["asyncengine", "llama.cpp"], ["batched", "serve"]
     assert round_plan(engines, modes, 0) == [
-        ("asyncengine", "batched"), ("llama.cpp", "batched"),
-        ("llama.cpp", "serve"), ("asyncengine", "serve"),
+        ("asyncengine", "batched", 1), ("llama.cpp", "batched", 1),
+        ("llama.cpp", "batched", 16), ("asyncengine", "batched", 16),
+        ("asyncengine", "batched", 64), ("llama.cpp", "batched", 64),
+        ("llama.cpp", "serve", None), ("asyncengine", "serve", None),
     ]  # fmt: skip
-    assert round_plan(engines, modes, 1) == [
-        ("llama.cpp", "batched"), ("asyncengine", "batched"),
-        ("asyncengine", "serve"), ("llama.cpp", "serve"),
+    assert round_plan(engines, ["serve"], 1) == [
+        ("llama.cpp", "serve", None), ("asyncengine", "serve", None),
     ]  # fmt: skip
     # an engine without a mode is left out of it; offline comes before async for each engine
     plan = round_plan(["asyncengine", "vllm-1t", "transformers"], ["offline", "async"], 0)
     assert plan == [
-        ("asyncengine", "offline"), ("vllm-1t", "offline"), ("transformers", "offline"),
-        ("vllm-1t", "async"), ("asyncengine", "async"),
+        ("asyncengine", "offline", None), ("vllm-1t", "offline", None),
+        ("transformers", "offline", None),
+        ("vllm-1t", "async", None), ("asyncengine", "async", None),
     ]  # fmt: skip
