@@ -277,8 +277,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def merge_runs(engine: str, model: str, runs: Sequence[dict[str, Any]]) -> PeerResult:
     """One result from an engine's runs of one round (later keys win, except ready_s, which
-    comes from the first run that has it: the offline constructor, and the batched figures,
-    which runs of one batch size each add to)."""
+    comes from the first run that has it: the offline constructor, and the batched and
+    serve figures, which runs of one batch size or stream count each add to)."""
     data: dict[str, Any] = {}
     rss: list[float] = []
     for run in runs:
@@ -288,8 +288,8 @@ def merge_runs(engine: str, model: str, runs: Sequence[dict[str, Any]]) -> PeerR
             if key == "rss_tree_mb":
                 rss.append(float(value))
                 continue
-            if key == "batched" and key in data:
-                value = {**data[key], **value}
+            if key in ("batched", "serve") and key in data:  # runs of one size each
+                value = {**value, **data[key]}  # the first run's ready_s stays
             data[key] = value
     data["rss_tree_mb_runs"] = rss
     return PeerResult(engine=engine, model=model, data=data)

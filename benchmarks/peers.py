@@ -173,16 +173,18 @@ def round_order(engines: Sequence[str], number: int) -> list[str]:
 def round_plan(
     engines: Sequence[str], modes: Sequence[str], number: int
 ) -> list[tuple[str, str, int | None]]:
-    """The (engine, mode, batch) runs of round `number`: mode by mode (the batched mode batch
-    size by batch size, `batch` naming it; None for the others), every engine that has the
-    mode back to back, in an order that alternates from slot to slot and round to round
-    (A B, B A, then B A, A B). The machine's bandwidth drifts by a third over minutes, so
-    the runs a ratio compares are taken as close together as they can be (one engine's
-    every mode, then the other's, put minutes between them), and each engine runs as often
-    first as second."""
+    """The (engine, mode, batch) runs of round `number`: mode by mode (the batched and serve
+    modes batch size by batch size or stream count by stream count, `batch` naming it; None
+    for the others), every engine that has the mode back to back, in an order that
+    alternates from slot to slot and round to round (A B, B A, then B A, A B). The machine's
+    bandwidth drifts by a third over minutes, so the runs a ratio compares are taken as
+    close together as they can be (one engine's every mode, then the other's, put minutes
+    between them), and each engine runs as often first as second."""
     slots: list[tuple[str, int | None]] = []
     for mode in modes:
-        sizes: list[int | None] = list(CONCURRENCIES) if mode == "batched" else [None]
+        sizes: list[int | None] = [None]
+        if mode in ("batched", "serve"):
+            sizes = list(CONCURRENCIES)
         slots.extend((mode, size) for size in sizes)
     plan = []
     for index, (mode, size) in enumerate(slots):
@@ -282,12 +284,12 @@ def _run_mode(
     args: argparse.Namespace,
     batch: int | None = None,
 ) -> dict[str, Any]:
-    """One engine's run of one mode on one model (the batched mode: of one batch size, or of
-    all): its figures, or {"error": ...}."""
+    """One engine's run of one mode on one model (batched and serve: of one batch size or
+    stream count, or of all): its figures, or {"error": ...}."""
     batches = list(CONCURRENCIES) if batch is None else [batch]
     try:
         if mode == "serve":
-            return _serve(engine, name, folder, pythons, args)
+            return _serve(engine, name, folder, pythons, args, batches)
         if engine.startswith("llama.cpp"):
             gguf = _gguf(engine, name, folder)
             tok_s = llamacpp.batched_bench(
@@ -307,9 +309,15 @@ def _gguf(engine: str, name: str, folder: Path) -> Path:
 
 
 def _serve(
-    engine: str, name: str, folder: Path, pythons: dict[str, str], args: argparse.Namespace
+    engine: str,
+    name: str,
+    folder: Path,
+    pythons: dict[str, str],
+    args: argparse.Namespace,
+    concurrencies: Sequence[int] = CONCURRENCIES,
 ) -> dict[str, Any]:
-    """The engine's HTTP server under the shared load generator at 1, 16 and 64 streams."""
+    """The engine's HTTP server under the shared load generator at `concurrencies` streams
+    (each wave after its own warm-up requests; see http_load.run_load)."""
     import asyncio
 
     port = free_port()
@@ -330,7 +338,7 @@ def _serve(
     record: dict[str, Any] = {}
     with running_server(command, base_url, env=_env(engine, pythons[engine]), log_path=log) as srv:
         record["ready_s"] = srv.ready_s
-        for c in CONCURRENCIES:
+        for c in concurrencies:
             # Each wave on prompts of its own: none is in a prefix cache from an earlier wave.
             prompts = workload_for_model(folder, wave=c).prompts
             record[str(c)] = asyncio.run(run_load(base_url, prompts, c, model=name))

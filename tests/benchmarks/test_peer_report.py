@@ -83,6 +83,12 @@ def test_batched_runs_of_one_batch_size_each_add_up() -> None:
         [{"batched": {"1": 100.0}}, {"batched": {"16": 400.0}}, {"batched": {"64": 600.0}}],
     )
     assert merged.data["batched"] == {"1": 100.0, "16": 400.0, "64": 600.0}
+    served = merge_runs(
+        "llama.cpp",
+        "a",
+        [{"serve": {"ready_s": 0.5, "1": {"tok_s": 9}}}, {"serve": {"ready_s": 0.7, "64": {}}}],
+    )
+    assert served.data["serve"] == {"ready_s": 0.5, "1": {"tok_s": 9}, "64": {}}
 
 
 def test_best_vllm_takes_the_better_setting_per_figure() -> None:
@@ -217,17 +223,19 @@ def test_rounds_alternate_the_engine_order() -> None:
 
 
 def test_a_round_runs_each_mode_of_every_engine_back_to_back_in_alternating_order() -> None:
-    """The runs a ratio compares are adjacent (the batched mode's, batch size by batch size),
+    """The runs a ratio compares are adjacent (batched and serve: size by size),
     and each engine runs as often first as second over a round's slots and over two rounds."""
     engines, modes = ["asyncengine", "llama.cpp"], ["batched", "serve"]
     assert round_plan(engines, modes, 0) == [
         ("asyncengine", "batched", 1), ("llama.cpp", "batched", 1),
         ("llama.cpp", "batched", 16), ("asyncengine", "batched", 16),
         ("asyncengine", "batched", 64), ("llama.cpp", "batched", 64),
-        ("llama.cpp", "serve", None), ("asyncengine", "serve", None),
+        ("llama.cpp", "serve", 1), ("asyncengine", "serve", 1),
+        ("asyncengine", "serve", 16), ("llama.cpp", "serve", 16),
+        ("llama.cpp", "serve", 64), ("asyncengine", "serve", 64),
     ]  # fmt: skip
-    assert round_plan(engines, ["serve"], 1) == [
-        ("llama.cpp", "serve", None), ("asyncengine", "serve", None),
+    assert round_plan(engines, ["serve"], 1)[:2] == [
+        ("llama.cpp", "serve", 1), ("asyncengine", "serve", 1),
     ]  # fmt: skip
     # an engine without a mode is left out of it; offline comes before async for each engine
     plan = round_plan(["asyncengine", "vllm-1t", "transformers"], ["offline", "async"], 0)
