@@ -300,12 +300,15 @@ def batched_bench(
     gen_len: int = 64,
     batches: Sequence[int] = (1, 16, 64),
     threads: int = 2,
+    context_batch: int | None = None,
 ) -> dict[int, float]:
     """For each batch size B: B x gen_len output tokens over the seconds llama-batched-bench
     took for the whole batch (its prompts' prefill included), each of the B sequences with a
-    prompt of its own. Raises RuntimeError when the tool fails or skips a batch size."""
+    prompt of its own. The KV context holds `context_batch` sequences (default: the largest
+    of `batches`), so that a run of one batch size alone sizes it as a run of all would.
+    Raises RuntimeError when the tool fails or skips a batch size."""
     # Enough KV cells for the largest batch; llama.cpp gives each sequence an equal share.
-    context = max(batches) * (prompt_len + gen_len)
+    context = (context_batch or max(batches)) * (prompt_len + gen_len)
     result = subprocess.run(
         [str(llama.batched_bench), "-m", str(gguf), "-c", str(context), "-b", "2048",
          "-ub", "512", "-npp", str(prompt_len), "-ntg", str(gen_len),

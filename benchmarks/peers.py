@@ -295,6 +295,7 @@ def _run_mode(
             tok_s = llamacpp.batched_bench(
                 llamacpp.ensure_built(), gguf, prompt_len=BATCHED_PROMPT_LEN,
                 gen_len=BATCHED_GEN_LEN, batches=batches, threads=args.threads,
+                context_batch=max(CONCURRENCIES),
             )  # fmt: skip
             return {"batched": {str(b): v for b, v in tok_s.items()}}
     except Exception as exc:  # a failed build, conversion or server: report it, go on

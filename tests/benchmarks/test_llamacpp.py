@@ -55,6 +55,30 @@ def test_the_batched_bench_table_parses_to_numbers() -> None:
     assert llamacpp.parse_batched_bench("no table here\n| a | b |\n| 1 | 2 |\n") == []
 
 
+@pytest.mark.timeout(10)
+def test_one_batch_size_alone_gets_the_largest_batchs_context(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run of one batch size (the peers harness pairs the engines size by size) sizes the KV
+    context as a run of all of them would: the figure must not depend on the pairing."""
+    import subprocess
+
+    commands: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=SAMPLE, stderr="")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", fake_run)
+    llama = llamacpp.LlamaCpp(source=tmp_path)
+    gguf = tmp_path / "m.gguf"
+    one = llamacpp.batched_bench(llama, gguf, batches=[1], context_batch=64)
+    assert one == {1: pytest.approx(64 / 47.839)}
+    assert commands[-1][commands[-1].index("-c") + 1] == str(64 * 144)
+    llamacpp.batched_bench(llama, gguf, batches=[1, 16])
+    assert commands[-1][commands[-1].index("-c") + 1] == str(16 * 144)  # default: the largest
+
+
 @pytest.fixture(scope="session")
 def llama_source() -> llamacpp.LlamaCpp:
     """llama.cpp's source (the converter), downloaded on first use."""
