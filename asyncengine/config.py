@@ -170,15 +170,14 @@ class EngineConfig:
         _check_choice("device", device, _DEVICES)
         _check_choice("scheduling_policy", scheduling_policy, _POLICIES)
         resolved_device = _resolve_device(device)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = _default_batched_tokens(resolved_device, hf)
         for name, value, low in (
             ("block_size", block_size, 1),
             ("max_num_seqs", max_num_seqs, 1),
-            ("max_num_batched_tokens", max_num_batched_tokens, 1),
             ("max_queued_requests", max_queued_requests, 1),
         ):
             _check_int(name, value, low)
+        if max_num_batched_tokens is not None:  # else the default, from the model's shapes
+            _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if block_size & (block_size - 1) or block_size > 256:
             raise ValueError(f"block_size={block_size} is invalid: must be a power of two <= 256")
         if num_kv_blocks is not None:
@@ -261,6 +260,8 @@ class EngineConfig:
             intermediate_size=intermediate_size,
             attention_backend=_resolve_attention_backend(attention_backend, resolved_device),
         )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = _default_batched_tokens(resolved_device, model_config)
         return cls(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -303,33 +304,25 @@ class EngineConfig:
         )
 
 
-def _default_batched_tokens(device: str, hf: dict[str, Any]) -> int:
+def _default_batched_tokens(device: str, mc: ModelConfig) -> int:
     """The serving token budget of a step when none is given (see _CPU_STEP_WEIGHT_TOKENS)."""
     budget = _DEFAULT_BATCHED_TOKENS[device]
     if device != "cpu":
         return budget
-    weights = _layer_weights(hf)
+    weights = _layer_weights(mc)
     while budget > _CPU_MIN_BATCHED_TOKENS and budget * weights > _CPU_STEP_WEIGHT_TOKENS:
         budget //= 2
     return budget
 
 
-def _layer_weights(hf: dict[str, Any]) -> int:
+def _layer_weights(mc: ModelConfig) -> int:
     """About how many weights a token meets in the decoder layers (projections only; the
-    embedding and lm_head apart), from a transformers config: attention's q, k, v, o and a
-    gated MLP (3 x hidden x intermediate; 4 x hidden wide where the config names no width)."""
-    try:
-        hidden = int(hf["hidden_size"])
-        layers = int(hf["num_hidden_layers"])
-        heads = int(hf["num_attention_heads"])
-        kv_heads = int(hf.get("num_key_value_heads") or heads)
-        head_dim = int(hf.get("head_dim") or hidden // heads)
-        width = hf.get("intermediate_size")
-        intermediate = int(width) if isinstance(width, int) else 4 * hidden
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return 0  # the config's own checks report what is missing
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    return layers * (attention + 3 * hidden * intermediate)
+    embedding and lm_head apart): attention's q, k, v, o and a gated MLP (3 x hidden x
+    intermediate; 4 x hidden wide where the config names no width)."""
+    hidden, head_dim = mc.hidden_size, mc.head_dim
+    intermediate = mc.intermediate_size or 4 * hidden
+    attention = 2 * hidden * head_dim * (mc.num_attention_heads + mc.num_kv_heads)
+    return mc.num_layers * (attention + 3 * hidden * intermediate)
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

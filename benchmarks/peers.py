@@ -396,9 +396,9 @@ def _rounds(args: argparse.Namespace) -> str:
     if rounds <= 1:
         return ""
     return (
-        f" per round; every engine measured in {rounds} rounds, mode by mode with the engines'"
-        " runs of a mode back to back, in alternating order; each figure the median of the"
-        " rounds (offline: of all the rounds' timed runs)"
+        f" per round; every engine measured in {rounds} rounds, the engines' runs of each mode"
+        " (batched and serve: of each batch size or stream count) back to back, in alternating"
+        " order; each figure the median of the rounds (offline: of all the rounds' timed runs)"
     )
 
 

@@ -19,14 +19,11 @@ import psutil
 from asyncengine import AsyncLLM, SamplingParams
 
 
-def _tree_rss_mib(pid: int) -> float:
+def _tree_mib(pid: int) -> tuple[float, float]:
+    """Resident and virtual MiB of `pid` and its descendants."""
     root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
-
-
-def _tree_vms_mib(pid: int) -> float:
-    root = psutil.Process(pid)
-    return sum(p.memory_info().vms for p in [root, *root.children(recursive=True)]) / 2**20
+    infos = [p.memory_info() for p in [root, *root.children(recursive=True)]]
+    return sum(i.rss for i in infos) / 2**20, sum(i.vms for i in infos) / 2**20
 
 
 async def _generate(engine: AsyncLLM) -> None:
@@ -40,11 +37,11 @@ async def main(model: str) -> None:
             proc = engine._core_client.proc  # type: ignore[union-attr]
             pid = proc.pid
             await _generate(engine)
-            awake, awake_vms = _tree_rss_mib(pid), _tree_vms_mib(pid)
+            awake, awake_vms = _tree_mib(pid)
             t0 = time.perf_counter()
             await engine.sleep(level=level)
             slept = time.perf_counter() - t0
-            asleep, asleep_vms = _tree_rss_mib(pid), _tree_vms_mib(pid)
+            asleep, asleep_vms = _tree_mib(pid)
             t0 = time.perf_counter()
             await engine.wake_up()
             woke = time.perf_counter() - t0
@@ -53,7 +50,7 @@ async def main(model: str) -> None:
                 f"level {level}: awake {awake:.0f} MiB, asleep {asleep:.0f} MiB "
                 f"(released {awake - asleep:.0f}; address space {awake_vms - asleep_vms:.0f}), "
                 f"sleep {slept:.3f} s, wake_up {woke:.3f} s, "
-                f"after waking {_tree_rss_mib(pid):.0f} MiB"
+                f"after waking {_tree_mib(pid)[0]:.0f} MiB"
             )
 
 
