@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.child_process",
         "asyncengine.config",
         "asyncengine.errors",
+        "asyncengine.heap",
         "asyncengine.outputs",
         "asyncengine.paths",
         "asyncengine.process_setup",

@@ -40,6 +40,7 @@ import zmq
 
 from asyncengine.child_process import read_payload
 from asyncengine.errors import describe_exception
+from asyncengine.heap import release_free_heap
 from asyncengine.ipc.messages import (
     CoreLoad,
     EngineCoreOutput,
@@ -86,6 +87,10 @@ _OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CO
 _SHUTDOWN = object()  # on input_queue: leave the busy loop; on output_queue: stop the IO thread
 
 _LOAD_REPORT_INTERVAL_S = 0.05  # steps with no outputs report a changed load this often
+# After this long idle (no requests, nothing arriving) the core hands the heap its steps freed
+# back to the system (asyncengine/heap.py): a quiet service keeps only what a step needs, and
+# requests arriving back to back never pay the page faults of re-growing it.
+IDLE_RELEASE_S = 2.0
 
 InputItem = tuple[EngineCoreRequestType, Any] | object
 # emit(outputs, client_index): send to that client, or to every client (None).
@@ -119,6 +124,9 @@ class EngineCoreLoop:
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.step_started: float | None = None  # time.monotonic() of the step in progress
         self.paused = False  # no steps until resumed (AsyncLLM.pause_generation)
+        self.idle_release_s = IDLE_RELEASE_S
+        self.release_heap: Callable[[], None] = release_free_heap
+        self._stepped = False  # a step ran since the heap was last released
         # testing_* utility methods (fault injection), only where a test asked for them.
         self.test_hooks = load_test_hooks("CORE_HOOKS")
         engine_core.executor.register_failure_callback(self._on_executor_failure)
@@ -153,6 +161,7 @@ class EngineCoreLoop:
             self.step_started = time.monotonic()
             outputs = self.engine_core.step()
             self.step_started = None
+            self._stepped = True
             # 3. Hand the step's outputs on, with the load they leave (for the DP router).
             load = self.engine_core.load()
             if outputs.outputs:
@@ -190,7 +199,7 @@ class EngineCoreLoop:
         block = self.paused or not self.engine_core.scheduler.has_requests()
         while True:
             try:
-                item = self.input_queue.get(block=block)
+                item = self._next_input(block)
             except queue.Empty:
                 return True
             block = False
@@ -198,6 +207,19 @@ class EngineCoreLoop:
                 return False
             request_type, payload = cast("tuple[EngineCoreRequestType, Any]", item)
             self._handle(request_type, payload)
+
+    def _next_input(self, block: bool) -> InputItem:
+        """The next queued item; raises queue.Empty if none and not `block`. A blocking wait
+        that lasts `idle_release_s` after a step releases the heap once, then waits on."""
+        if not block:
+            return self.input_queue.get(block=False)
+        if self._stepped:
+            try:
+                return self.input_queue.get(timeout=self.idle_release_s)
+            except queue.Empty:
+                self._stepped = False
+                self.release_heap()
+        return self.input_queue.get()
 
     def _handle(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         if request_type is EngineCoreRequestType.ADD:

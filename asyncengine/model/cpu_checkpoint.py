@@ -21,8 +21,6 @@ same as transformers' path: the same casts, the same GEMMs, the same rotary tabl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import json
 import logging
 import os
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 
 from asyncengine.config import ModelConfig
+from asyncengine.heap import libc_function, release_free_heap
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
 from asyncengine.model.cpu_linear import PackedLinear, linear_layer, packs
 from asyncengine.model.lean_layer import LeanLayer
@@ -97,7 +96,7 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
                 tensors.release()
             # and so can the heap the layer's temporaries (joined weights before packing)
             # held: malloc keeps them otherwise, and the load would peak at twice its size.
-            _release_free_heap()
+            release_free_heap()
         embed_name = "model.embed_tokens.weight"
         table = get(embed_name) if plan.tied else None  # a view of the file where get packs
         lm_head = linear_layer(get("lm_head.weight") if table is None else table, None)
@@ -123,7 +122,7 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             head_dim=model_config.head_dim,
             layers=layers,
         )
-    _release_free_heap()
+    release_free_heap()
     return forward
 
 
@@ -279,7 +278,7 @@ class _Tensors:
     def release(self) -> None:
         """Drop the read tensors' pages that lie inside a mapping of one of the files."""
         read, self._read = self._read, []
-        madvise = _libc_function("madvise")
+        madvise = libc_function("madvise")
         if madvise is None:
             return
         for address, size in read:
@@ -303,18 +302,6 @@ def _mappings(paths: set[str]) -> list[tuple[int, int]]:
     except OSError:
         return []
     return ranges
-
-
-@functools.cache
-def _libc_function(name: str) -> Any:
-    """A glibc function by name, or None (not glibc, or not found); looked up once."""
-    libc = ctypes.util.find_library("c")
-    if libc is None:
-        return None
-    try:
-        return getattr(ctypes.CDLL(libc), name)
-    except (OSError, AttributeError):
-        return None
 
 
 @contextmanager
@@ -366,14 +353,3 @@ def _load_layer(plan: _Plan, i: int, get: Any, keep: Any, maybe: Any) -> LeanLay
         down_proj=linear_layer(get(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias")),
         scale=head_dim**-0.5,
     )
-
-
-def _release_free_heap() -> None:
-    """Hand the pages malloc keeps for freed tensors back to the system (glibc only).
-
-    Loading frees as much as it keeps (the checkpoint's copies, once joined and packed), and
-    glibc keeps freed memory below its mmap threshold in its arenas: resident, unused.
-    """
-    trim = _libc_function("malloc_trim")
-    if trim is not None:
-        trim(0)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -12,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig
+from asyncengine.heap import release_free_heap
 from asyncengine.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.worker.parallel import TensorParallelGroup
@@ -113,10 +112,4 @@ def _release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
-    # glibc keeps freed heap pages mapped; malloc_trim returns them (large tensors are
-    # unmapped on free anyway). Absent outside glibc: nothing to do there.
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    release_free_heap()  # glibc keeps freed heap pages resident otherwise

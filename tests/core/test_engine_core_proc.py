@@ -183,6 +183,25 @@ def test_loop_runs_requests_to_completion_and_idles(harness: LoopHarness) -> Non
     assert harness.core.steps == steps  # idle: blocked on the input queue, not spinning
 
 
+def test_an_idle_core_releases_the_heap_once_after_its_steps(harness: LoopHarness) -> None:
+    released: list[float] = []
+    harness.loop.idle_release_s = 0.05  # the loop reads it only after a step
+    harness.loop.release_heap = lambda: released.append(time.monotonic())
+    time.sleep(0.15)
+    assert released == []  # idle since start: nothing freed to release
+    harness.put(EngineCoreRequestType.ADD, _request("long", 10_000_000))
+    harness.wait_for(lambda: len(harness.tokens("long")) > 3)
+    time.sleep(0.15)
+    assert released == []  # busy: never waiting on the queue
+    harness.put(EngineCoreRequestType.ABORT, ["long"])
+    harness.wait_for(lambda: len(released) == 1)
+    time.sleep(0.15)
+    assert len(released) == 1  # once per idle period, not every timeout
+    harness.put(EngineCoreRequestType.ADD, _request("b", 2))
+    harness.wait_for(lambda: len(released) == 2)
+    assert len(harness.tokens("b")) == 2
+
+
 def test_abort_stops_a_request(harness: LoopHarness) -> None:
     harness.put(EngineCoreRequestType.ADD, _request("long", 10_000_000))
     harness.wait_for(lambda: len(harness.tokens("long")) > 3)
