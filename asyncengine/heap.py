@@ -14,6 +14,11 @@ import ctypes.util
 import functools
 from typing import Any
 
+# How long a process that runs steps (the engine core, a tensor-parallel worker) waits idle
+# after its last step before it releases the heap: requests that arrive back to back never pay
+# for the trim, nor for the page faults of re-growing what it released.
+IDLE_RELEASE_S = 2.0
+
 
 @functools.cache
 def libc_function(name: str) -> Any:

@@ -40,7 +40,7 @@ import zmq
 
 from asyncengine.child_process import read_payload
 from asyncengine.errors import describe_exception
-from asyncengine.heap import release_free_heap
+from asyncengine.heap import IDLE_RELEASE_S, release_free_heap
 from asyncengine.ipc.messages import (
     CoreLoad,
     EngineCoreOutput,
@@ -87,10 +87,6 @@ _OUTPUT_LINGER_MS = 2000  # how long a closing output socket may flush ENGINE_CO
 _SHUTDOWN = object()  # on input_queue: leave the busy loop; on output_queue: stop the IO thread
 
 _LOAD_REPORT_INTERVAL_S = 0.05  # steps with no outputs report a changed load this often
-# After this long idle (no requests, nothing arriving) the core hands the heap its steps freed
-# back to the system (asyncengine/heap.py): a quiet service keeps only what a step needs, and
-# requests arriving back to back never pay the page faults of re-growing it.
-IDLE_RELEASE_S = 2.0
 
 InputItem = tuple[EngineCoreRequestType, Any] | object
 # emit(outputs, client_index): send to that client, or to every client (None).
@@ -124,6 +120,7 @@ class EngineCoreLoop:
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.step_started: float | None = None  # time.monotonic() of the step in progress
         self.paused = False  # no steps until resumed (AsyncLLM.pause_generation)
+        # Idle this long after a step, the core hands the heap its steps freed back (heap.py).
         self.idle_release_s = IDLE_RELEASE_S
         self.release_heap: Callable[[], None] = release_free_heap
         self._stepped = False  # a step ran since the heap was last released

@@ -37,6 +37,7 @@ from asyncengine.executor.messages import (
     to_worker_decoder,
     worker_launch_decoder,
 )
+from asyncengine.heap import IDLE_RELEASE_S, release_free_heap
 from asyncengine.ipc.sockets import make_socket
 from asyncengine.process_setup import (
     hard_exit,
@@ -139,14 +140,21 @@ def _serve(
     inbox: zmq.Socket[bytes],
     outbox: zmq.Socket[bytes],
     encoder: msgspec.msgpack.Encoder,
+    idle_release_s: float = IDLE_RELEASE_S,
+    release_heap: Callable[[], None] = release_free_heap,
 ) -> None:
     # testing_* methods (fault injection), only where a test asked for them.
     test_hooks = load_test_hooks("WORKER_HOOKS")
     buffer = bytearray()  # reused for every reply
+    stepped = False  # a step ran since the heap was last released
     while True:
+        if stepped and not inbox.poll(int(idle_release_s * 1000)):
+            release_heap()  # idle after steps: their freed buffers go back (heap.py)
+            stepped = False
         message = to_worker_decoder.decode(inbox.recv(copy=False).buffer)
         reply: Any
         if isinstance(message, ExecuteModel):
+            stepped = True
             try:
                 output = worker.execute_model(message.scheduler_output)
             except Exception as exc:
