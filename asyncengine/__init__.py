@@ -72,3 +72,8 @@ def __getattr__(name: str) -> Any:
 
         return EngineConfig
     raise AttributeError(f"module 'asyncengine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The public names only: not the typing helpers, nor the submodules imported above.
+    return sorted(__all__)

@@ -68,3 +68,14 @@ def test_every_package_folder_is_installed() -> None:
     }
     missing = sorted(on_disk - set(listed))
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
+
+
+@pytest.mark.timeout(60)
+def test_dir_lists_the_public_names_only() -> None:
+    import asyncengine
+
+    names = dir(asyncengine)
+    assert names == sorted(asyncengine.__all__)
+    assert not {"Any", "TYPE_CHECKING", "annotations", "errors", "outputs"} & set(names)
+    for name in names:  # every listed name resolves (the lazy ones included)
+        getattr(asyncengine, name)

@@ -274,8 +274,7 @@ class Scheduler:
         # 3. Advance the computed counts: the step will compute exactly these tokens.
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
-            if request.num_computed_tokens + 1 < request.num_tokens:
-                self.num_prefill_tokens += n  # a prompt (or a recompute), not a decode
+            self.num_prefill_tokens += _num_prefill(request, n)
             request.num_computed_tokens += n
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -388,3 +387,13 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _num_prefill(request: Request, num_new: int) -> int:
+    """How many of the `num_new` tokens a step computes for `request` are prompt (or
+    recomputed) tokens: every position before the prompt's end, and every position before the
+    last token once it has outputs (a decode computes only that last one). A one-token prompt
+    is one prefill token, not a decode."""
+    start = request.num_computed_tokens
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    return max(0, min(start + num_new, prefill_end) - start)

@@ -258,3 +258,17 @@ def test_statistics_is_a_frozen_snapshot_with_the_hit_rate() -> None:
     assert stats.prefix_cache_hit_rate == pytest.approx(8 / 24)
     with pytest.raises(AttributeError):
         stats.num_kv_blocks = 5  # type: ignore[misc]
+
+
+@pytest.mark.timeout(30)
+def test_prefill_tokens_count_prompts_of_one_token_and_not_decodes() -> None:
+    sched = _make(num_blocks=20, budget=64, max_seqs=4, policy="fcfs", prefix=False)
+    runner = FakeRunner(random.Random(0))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sched.add_request(EngineCoreRequest("one", [7], params, 0.0))
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))
+    assert sched.statistics().num_prefill_tokens == 1
+    sched.add_request(EngineCoreRequest("five", [1, 2, 3, 4, 5], params, 0.0))
+    for _ in range(6):
+        sched.update_from_output(out := sched.schedule(), runner.execute(out))
+    assert sched.statistics().num_prefill_tokens == 1 + 5  # the decodes add nothing
