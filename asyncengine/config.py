@@ -39,6 +39,15 @@ _DEFAULT_BATCHED_TOKENS = {"cpu": 1024, "cuda": 2048}
 _CPU_STEP_WEIGHT_TOKENS = 2**38
 _CPU_MIN_BATCHED_TOKENS = 256
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+# generation_config.json's sampling fields → SamplingParams' names (vLLM applies the same).
+_GENERATION_SAMPLING_FIELDS = (
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("max_new_tokens", "max_tokens"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,9 @@ class ModelConfig:
     seed: int
     intermediate_size: int | None = None  # the MLP width, when the config names one
     attention_backend: str = "torch"  # resolved: cpu | torch | triton
+    # The model's sampling defaults (generation_config.json): they fill what a request leaves
+    # unset, as in vLLM. Pairs, sorted, so that the config stays hashable.
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +174,12 @@ class EngineConfig:
         data_parallel_fail_fast: bool = False,
         data_parallel_placement: str = "spread",
         num_threads: int | None = None,
+        generation_config: str = "auto",
     ) -> EngineConfig:
         """Validate the keywords and read the model's config; raises ValueError naming the field."""
         model_dir = Path(model).expanduser()
         hf = _read_hf_config(model_dir)
+        generation = _read_generation_config(model_dir, generation_config)
         _check_choice("dtype", dtype, _DTYPES)
         _check_choice("device", device, _DEVICES)
         _check_choice("scheduling_policy", scheduling_policy, _POLICIES)
@@ -255,10 +269,11 @@ class EngineConfig:
             num_kv_heads=num_kv_heads,
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
             hidden_size=int(hf["hidden_size"]),
-            eos_token_ids=_eos_token_ids(hf, model_dir),
+            eos_token_ids=_eos_token_ids(hf, generation),
             seed=seed,
             intermediate_size=intermediate_size,
             attention_backend=_resolve_attention_backend(attention_backend, resolved_device),
+            sampling_defaults=_sampling_defaults(generation, generation_config),
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = _default_batched_tokens(resolved_device, model_config)
@@ -430,16 +445,60 @@ def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
     return declared
 
 
-def _eos_token_ids(hf: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
+def _eos_token_ids(hf: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
-    sources = [hf]
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        with gen_path.open() as f:
-            sources.append(json.load(f))
-    for src in sources:
+    for src in (hf, generation):
         eos = src.get("eos_token_id")
         for tok in eos if isinstance(eos, list) else [eos]:
             if isinstance(tok, int) and tok not in ids:
                 ids.append(tok)
     return tuple(ids)
+
+
+def _read_generation_config(model_dir: Path, source: object) -> dict[str, Any]:
+    """generation_config.json of the model folder ("auto", and "vllm": its eos ids are still
+    the model's), or of the folder `source` names; {} where there is none."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(
+            f"generation_config={source!r} is invalid: must be 'auto' (the model's sampling "
+            "defaults), 'vllm' (none) or a folder holding a generation_config.json"
+        )
+    folder = model_dir if source in ("auto", "vllm") else Path(source).expanduser()
+    path = folder / "generation_config.json"
+    if source not in ("auto", "vllm") and not path.is_file():
+        raise ValueError(f"generation_config={source!r}: {path} does not exist")
+    if not path.is_file():
+        return {}
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _sampling_defaults(
+    generation: dict[str, Any], source: str
+) -> tuple[tuple[str, float | int], ...]:
+    """The sampling fields of a generation config that requests inherit (vLLM's list), each
+    checked as SamplingParams checks it: a bad file is an error naming it at load, not a
+    failure of every request later."""
+    if source == "vllm":
+        return ()
+    from asyncengine.sampling_params import SamplingParams
+
+    found: dict[str, float | int] = {}
+    for hf_name, name in _GENERATION_SAMPLING_FIELDS:
+        value = generation.get(hf_name)
+        if value is not None:
+            found[name] = value
+    try:
+        SamplingParams(**found)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"the model's generation_config.json has an invalid sampling default: {exc} "
+            "(fix the file, or pass generation_config='vllm' to ignore its defaults)"
+        ) from None
+    return tuple(sorted(found.items()))

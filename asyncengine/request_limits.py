@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncengine.sampling_params import CoreSamplingParams
+import msgspec
+
+from asyncengine.sampling_params import DEFAULT_MAX_TOKENS, CoreSamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,4 +66,7 @@ def resolve_max_tokens(
 ) -> int:
     """The output budget: max_tokens, or what max_model_len leaves (if smaller or unset)."""
     room = max_model_len - num_prompt_tokens
-    return room if params.max_tokens is None else min(params.max_tokens, room)
+    max_tokens = params.max_tokens
+    if max_tokens is msgspec.UNSET:  # resolved by the client; a raw frame may leave it out
+        max_tokens = DEFAULT_MAX_TOKENS
+    return room if max_tokens is None else min(max_tokens, room)

@@ -27,6 +27,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # A constraint is compiled in the engine core: bound what one request can ask it to compile.
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_CHOICES = 4096
+# A prompt's output budget when its SamplingParams leave max_tokens unset (vLLM's and
+# OpenAI's completions default); a chat's is what the context leaves.
+DEFAULT_MAX_TOKENS = 16
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -167,7 +170,10 @@ class CoreSamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    # UNSET: the API's default (DEFAULT_MAX_TOKENS for a prompt, up to max_model_len for a
+    # chat, as OpenAI's two endpoints do); None: up to max_model_len. The client resolves
+    # UNSET before the request reaches the core.
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     min_tokens: int = 0
     stop: str | list[str] | None = None  # a string becomes a one-item list
     stop_token_ids: list[int] | None = None
@@ -220,15 +226,16 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise _bad("seed", self.seed, "must be None or an integer in [0, 2**63)")
-        if self.max_tokens is not None and (
-            not is_int(self.max_tokens) or not 1 <= self.max_tokens <= _MAX_INT32
+        max_tokens = self.max_tokens
+        if max_tokens is not None and max_tokens is not msgspec.UNSET and (
+            not is_int(max_tokens) or not 1 <= max_tokens <= _MAX_INT32  # type: ignore[operator]
         ):
             raise _bad(
-                "max_tokens", self.max_tokens, f"must be None or an integer in [1, {_MAX_INT32}]"
+                "max_tokens", max_tokens, f"must be None or an integer in [1, {_MAX_INT32}]"
             )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _MAX_INT32:
             raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, {_MAX_INT32}]")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if isinstance(max_tokens, int) and self.min_tokens > max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)

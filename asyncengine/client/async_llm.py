@@ -166,8 +166,12 @@ class AsyncLLM:
             raise
         self._dead_event = anyio.Event()
         self._config = self._config.replace_cache(num_kv_blocks=client.num_kv_blocks)
+        model_config = self._config.model_config
         self._input_processor = InputProcessor(
-            self._tokenizer, self._config.model_config.vocab_size, request_limits(self._config)
+            self._tokenizer,
+            model_config.vocab_size,
+            request_limits(self._config),
+            model_config.sampling_defaults,
         )
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -555,6 +559,13 @@ class AsyncLLM:
     def config(self) -> EngineConfig:
         """The engine's settings (num_kv_blocks filled in once the core is ready)."""
         return self._config
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without any gets: the model's sampling defaults
+        (its generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens), SamplingParams' own for the rest. Start from it to change one field
+        and keep the model's other defaults (`msgspec.structs.replace(p, max_tokens=64)`)."""
+        return SamplingParams(**dict(self._config.model_config.sampling_defaults))  # type: ignore[arg-type]
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
+
+import msgspec
 
 from asyncengine.client.chat import ChatPrompt
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreRequest
 from asyncengine.request_limits import RequestLimits, check_token_ids
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -37,10 +39,24 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        limits: RequestLimits,
+        sampling_defaults: Iterable[tuple[str, float | int]] = (),
+    ) -> None:
+        """`sampling_defaults`: the model's (ModelConfig.sampling_defaults), for requests that
+        come without a SamplingParams."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limits = limits
+        self.sampling_defaults = dict(sampling_defaults)
+
+    def default_params(self) -> SamplingParams:
+        """A new SamplingParams holding the model's sampling defaults (generation_config.json);
+        the fields it does not name keep SamplingParams' own defaults."""
+        return SamplingParams(**self.sampling_defaults)  # type: ignore[arg-type]
 
     def tokenize(self, prompt: Prompt | ChatPrompt) -> tuple[str | None, list[int]]:
         """The prompt's text (if given as text) and its token ids, validated."""
@@ -79,7 +95,7 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """Validate and tokenise; ValueError naming what is wrong."""
         if params is None:
-            params = SamplingParams()
+            params = self.default_params()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         else:
@@ -93,6 +109,10 @@ class InputProcessor:
         if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority={priority} is invalid: must fit in 64 bits")
         text, token_ids = self.tokenize(prompt)
+        if params.max_tokens is msgspec.UNSET:
+            chat = isinstance(prompt, ChatPrompt)
+            max_tokens = self._chat_max_tokens(len(token_ids)) if chat else DEFAULT_MAX_TOKENS
+            params = msgspec.structs.replace(params, max_tokens=max_tokens)
         self.limits.check(request_id, len(token_ids), params)
         arrival = time.monotonic()
         core_requests = [
@@ -106,6 +126,17 @@ class InputProcessor:
             for i, core_id in enumerate(sequence_ids(request_id, params.n))
         ]
         return ProcessedRequest(request_id, text, token_ids, params, core_requests)
+
+
+    def _chat_max_tokens(self, num_prompt_tokens: int) -> int | None:
+        """A chat's output budget when none is given: until the model stops or the context
+        ends (OpenAI's chat default), or the KV cache is full where it holds fewer tokens than
+        max_model_len (so the request is not refused for a budget it did not ask for)."""
+        limits = self.limits
+        cache_room = limits.num_kv_blocks * limits.block_size - num_prompt_tokens
+        if cache_room >= limits.max_model_len - num_prompt_tokens:
+            return None
+        return max(1, cache_room)
 
 
 def request_limits(config: EngineConfig) -> RequestLimits:

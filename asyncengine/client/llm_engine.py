@@ -35,7 +35,10 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
         self.input_processor = InputProcessor(
-            self.tokenizer, config.model_config.vocab_size, request_limits(self.config)
+            self.tokenizer,
+            config.model_config.vocab_size,
+            request_limits(self.config),
+            config.model_config.sampling_defaults,
         )
 
     @classmethod

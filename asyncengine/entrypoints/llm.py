@@ -43,6 +43,13 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without any gets: the model's sampling defaults
+        (its generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens), SamplingParams' own for the rest. Start from it to change one field
+        and keep the model's other defaults (`msgspec.structs.replace(p, max_tokens=64)`)."""
+        return self.engine.input_processor.default_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -90,7 +97,8 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
+            given = params if params is not None else self.get_default_sampling_params()
+            param_list = [given] * len(prompt_list)
         else:
             param_list = list(params)
             if len(param_list) != len(prompt_list):

@@ -18,13 +18,16 @@ framework integrations alike. No web framework is imported here (ASGI is a proto
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
 
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.client.async_llm import AsyncLLM
 
 T = TypeVar("T")
 
@@ -68,9 +71,10 @@ def error_body(message: str, code: int) -> dict[str, object]:
     return {"error": {"message": message, "code": code}}
 
 
-def delta_params(params: SamplingParams | None) -> SamplingParams:
-    """`params` with DELTA outputs: each event carries only what is new."""
-    params = params if params is not None else SamplingParams()
+def delta_params(engine: AsyncLLM, params: SamplingParams | None) -> SamplingParams:
+    """`params` (or the model's defaults) with DELTA outputs: each event carries only what is
+    new."""
+    params = params if params is not None else engine.get_default_sampling_params()
     return msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)
 
 

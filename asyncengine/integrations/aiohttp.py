@@ -68,7 +68,7 @@ async def stream_generation(
     The request is started before any header is sent, so a bad request is a 400 and a dead
     engine a 503 (JSON bodies). A client that goes away aborts the request at the next write.
     """
-    stream = engine.generate(prompt, delta_params(params), request_id=request_id)
+    stream = engine.generate(prompt, delta_params(engine, params), request_id=request_id)
     async with aclosing(stream):  # leaving early aborts the request in the engine
         try:
             first = await anext(stream)

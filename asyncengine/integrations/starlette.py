@@ -120,7 +120,7 @@ async def stream_generation(
     dead engine a 503 (JSON bodies). A client that disconnects aborts the request at once,
     even while the engine is still computing its next token.
     """
-    stream = engine.generate(prompt, delta_params(params), request_id=request_id)
+    stream = engine.generate(prompt, delta_params(engine, params), request_id=request_id)
     try:
         first = await anext(stream)
     except ValueError as exc:
