@@ -36,7 +36,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,10 @@ DISABLE_ENV = "ASYNCENGINE_NATIVE_KERNELS"
 MARCH_ENV = "ASYNCENGINE_NATIVE_MARCH"
 # Sanitizers to build with, e.g. "address,undefined" (tests only; see the module docstring).
 SANITIZE_ENV = "ASYNCENGINE_NATIVE_SANITIZE"
+# How long one build may take, in seconds. About 9 s on 2 idle cores (20-30 s for a sanitized
+# build); a machine busy with other work can take many times that.
+BUILD_TIMEOUT_ENV = "ASYNCENGINE_NATIVE_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 600.0
 # ae_kernels.h's enum ae_dtype.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -234,9 +240,22 @@ def load_native() -> NativeKernels | None:
         path = _build(cc)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("building the native CPU kernels failed, using torch attention: %s", e)
+        global _unavailable_reason
+        _unavailable_reason = f"building the native CPU kernels failed: {e}"
+        logger.warning("%s; using the slower torch path", _unavailable_reason)
         return None
     return _bind(lib, path)
+
+
+_unavailable_reason = "no C compiler found ($CC or cc)"
+
+
+def unavailable_reason() -> str:
+    """Why `load_native()` gave None (for messages and test skips): no compiler, turned off,
+    or the build's own error (a timeout says so, with its duration)."""
+    if not native_enabled():
+        return f"the native kernels are turned off ({DISABLE_ENV}=0)"
+    return _unavailable_reason
 
 
 def require_native() -> NativeKernels:
@@ -334,13 +353,28 @@ def _build(cc: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
+    timeout = _build_timeout()
+    # The first run on a machine is otherwise silent for as long as the build takes.
+    print(
+        f"asyncengine: building the native CPU kernels with {cc} (once; about 10 s on 2 idle "
+        f"cores), cached in {out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.monotonic()
     try:
-        result = subprocess.run(
-            [cc, *flags, "-o", tmp, *(str(path) for path in SOURCES)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        try:
+            result = subprocess.run(
+                [cc, *flags, "-o", tmp, *(str(path) for path in SOURCES)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            raise OSError(
+                f"{cc} timed out after {time.monotonic() - started:.0f} s (limit {timeout:g} s; "
+                f"a busy machine builds slowly: set {BUILD_TIMEOUT_ENV} to wait longer)"
+            ) from None
         if result.returncode != 0:
             raise OSError(f"{cc} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -350,6 +384,19 @@ def _build(cc: str) -> Path:
     prune_builds(out_dir, prefix, keep=KEPT_BUILDS)
     logger.info("built the native CPU kernels: %s", target)
     return target
+
+
+def _build_timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_BUILD_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        logger.warning("%s=%r is not a number of seconds > 0; using %s", BUILD_TIMEOUT_ENV, raw,
+                       DEFAULT_BUILD_TIMEOUT_S)  # fmt: skip
+        return DEFAULT_BUILD_TIMEOUT_S
+    return value
 
 
 # Builds kept per kind: several checkouts (or versions) on one machine each keep theirs,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,59 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Ray reads it when first imported: with it, a test's Ray cluster binds 127.0.0.1 only (by
 # default Ray binds the machine's interface address).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+# Tests that download and build a peer engine (llama.cpp: minutes of silent compiling) run only
+# when asked for, so that the default test command stays short.
+PEERS_ENV = "ASYNCENGINE_TEST_PEERS"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(PEERS_ENV, "").strip() in ("1", "true", "yes"):
+        return
+    skip = pytest.mark.skip(reason=f"builds a peer engine (minutes): set {PEERS_ENV}=1 to run")
+    for item in items:
+        if item.get_closest_marker("peers") is not None:
+            item.add_marker(skip)
+
+
+# A test (with its fixtures' set-up) that runs longer than this says so on the terminal, and
+# again at every such interval: a full run is never silent for a minute.
+HEARTBEAT_S = 45.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    stop = threading.Event()
+    fd = _terminal_fd(item.config)
+    if fd is not None:
+        args = (item.nodeid, fd, stop)
+        threading.Thread(target=_heartbeat, args=args, name="heartbeat", daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _terminal_fd(config: pytest.Config) -> int | None:
+    """The terminal's file descriptor, which output capturing keeps aside (None if unknown).
+    Written to directly, so the heartbeat never toggles capturing under a running test."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    out = getattr(getattr(capman, "_global_capturing", None), "out", None)
+    if out is None:
+        return 1  # -s: nothing is captured
+    fd = getattr(out, "targetfd_save", None)
+    return fd if isinstance(fd, int) else None
+
+
+def _heartbeat(nodeid: str, fd: int, stop: threading.Event) -> None:
+    started = time.monotonic()
+    while not stop.wait(HEARTBEAT_S):
+        line = f"\n    ... still running after {time.monotonic() - started:.0f} s: {nodeid}\n"
+        try:
+            os.write(fd, line.encode())
+        except OSError:
+            return
 
 
 @pytest.fixture(params=["asyncio", "trio"])

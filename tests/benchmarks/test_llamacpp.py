@@ -3,10 +3,10 @@ GGUF conversion of tiny models by llama.cpp's own converter, and llama.cpp's gre
 them against asyncengine's.
 
 The conversion needs llama.cpp's source (the pinned `llama-cpp-python` sdist, downloaded once
-into .bench/llamacpp/); the greedy comparison needs llama.cpp built there. CI builds it
-beforehand (`nox -s bench_peers`, or `python -c "from benchmarks.llamacpp import ensure_built;
-ensure_built()"`); otherwise the first test that needs it builds it (about 9 minutes on 2
-cores, hence those tests' long timeouts).
+into .bench/llamacpp/); the greedy comparison needs llama.cpp built there (about 9 minutes on 2
+cores the first time, hence those tests' long timeouts). Those tests are marked `peers` and run
+only when asked for: `ASYNCENGINE_TEST_PEERS=1 python -m pytest -m peers` (the README's second
+test command).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def tiny_gguf(llama_source: llamacpp.LlamaCpp, tiny_model: Path) -> Path:
     return llamacpp.to_gguf(llama_source, tiny_model, tiny_model.parent / "gguf", "f32")
 
 
+@pytest.mark.peers
 @pytest.mark.timeout(600)
 def test_conversion_writes_the_model_as_gguf(tiny_gguf: Path, tiny_model: Path) -> None:
     from gguf import GGUFReader
@@ -182,6 +183,7 @@ def test_conversion_writes_the_model_as_gguf(tiny_gguf: Path, tiny_model: Path) 
     assert ("output.weight" in shapes) == (not tied)
 
 
+@pytest.mark.peers
 @pytest.mark.timeout(600)
 def test_conversion_is_cached_until_the_model_changes(
     llama_source: llamacpp.LlamaCpp, tiny_gguf: Path, tiny_model: Path
@@ -216,6 +218,7 @@ def _completion(base_url: str, prompt: list[int], n: int) -> list[int]:
     return list(json.loads(payload)["tokens"])
 
 
+@pytest.mark.peers
 @pytest.mark.timeout(1200)  # the session's first use of llama_built may build llama.cpp
 def test_llama_cpp_greedy_tokens_equal_ours_in_fp32(
     llama_built: llamacpp.LlamaCpp, tiny_gguf: Path, tiny_model: Path, tmp_path: Path

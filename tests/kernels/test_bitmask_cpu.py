@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from asyncengine.kernels.bitmask_cpu import apply_bitmask_cpu
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 
 def _reference(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def test_every_binding_matches_its_declaration() -> None:
     assert not mismatches, "\n".join(mismatches)
 
 
-@pytest.mark.skipif(cpu_native.load_native() is None, reason="no working C compiler")
+@pytest.mark.skipif(cpu_native.load_native() is None, reason=cpu_native.unavailable_reason())
 def test_the_loaded_functions_carry_those_signatures() -> None:
     # What the kernels call: the loaded library's function objects, by their C names.
     lib = cpu_native.require_native()

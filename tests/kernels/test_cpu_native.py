@@ -18,7 +18,9 @@ from asyncengine.kernels.paged_attention_cpu import paged_attention_cpu, plan_pa
 from asyncengine.kernels.reshape_and_cache_cpu import reshape_and_cache_cpu, to_cpu_layout
 from asyncengine.testing.paged_batches import dense_attention, make_paged_batch
 
-pytestmark = pytest.mark.skipif(cpu_native.load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(
+    cpu_native.load_native() is None, reason=cpu_native.unavailable_reason()
+)
 
 
 def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
@@ -40,6 +42,23 @@ def test_build_is_cached_per_source_and_a_broken_compiler_falls_back(
         with caplog.at_level("WARNING"):
             assert cpu_native.load_native() is None
         assert "building the native CPU kernels failed" in caplog.text
+    finally:
+        cpu_native.load_native.cache_clear()
+
+
+def test_a_slow_build_is_reported_as_a_timeout_with_its_duration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_native.BUILD_TIMEOUT_ENV, "0.01")
+    cpu_native.load_native.cache_clear()
+    try:
+        assert cpu_native.load_native() is None
+        reason = cpu_native.unavailable_reason()
+        assert "timed out after" in reason and "limit 0.01 s" in reason, reason
+        assert cpu_native.BUILD_TIMEOUT_ENV in reason
+        # The build announced itself first: a first run is not silent while it compiles.
+        assert "building the native CPU kernels" in capsys.readouterr().err
     finally:
         cpu_native.load_native.cache_clear()
 

@@ -71,6 +71,9 @@ def test_native_kernel_tests_pass_under_asan_and_ubsan() -> None:
         UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
         **{cpu_native.SANITIZE_ENV: "address,undefined"},
     )
+    # A loaded machine (a full test run beside other work) builds the sanitized library
+    # slowly: give it the whole test's time rather than fail on a build timeout.
+    env.setdefault(cpu_native.BUILD_TIMEOUT_ENV, "800")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider", "-k",
          "not portable_build", *TESTS],

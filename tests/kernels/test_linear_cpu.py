@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from asyncengine.kernels import cpu_native, linear_cpu
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
@@ -53,12 +53,12 @@ def check_native_linear(lib: object) -> None:
                 assert bool(((got.float() - want).abs() <= tol).all()), (n, k, rows)
 
 
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+@pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 def test_native_linear_reads_the_packed_weight() -> None:
     check_native_linear(load_native())
 
 
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+@pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march names")
 def test_native_linear_portable_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Without AVX512-BF16 the kernel runs its portable loops (and no layer is routed to it).
@@ -101,7 +101,7 @@ def test_own_packing_is_the_layout_the_kernels_read() -> None:
         assert torch.equal(torch.frombuffer(raw, dtype=torch.int16), own.view(torch.int16))
 
 
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+@pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 def test_a_packing_in_another_layout_is_refused() -> None:
     if not _onednn_packs_as_native():
         pytest.skip("oneDNN packs bf16 in another layout on this CPU (AMX tiles)")
@@ -117,7 +117,7 @@ def test_a_packing_in_another_layout_is_refused() -> None:
     assert linear_cpu._packed_k(weight, smaller) is None
 
 
-@pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+@pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 def test_rows_gathered_from_the_packed_weight_are_the_weights_rows() -> None:
     """A tied embedding's lookup reads the lm_head's packed weight (LinearCpu.rows)."""
     lib = load_native()

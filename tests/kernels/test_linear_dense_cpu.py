@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu_native import NativeKernels, load_native
+from asyncengine.kernels.cpu_native import NativeKernels, load_native, unavailable_reason
 from asyncengine.kernels.linear_dense_cpu import (
     dense_kernels,
     linear_bf16_dense,
@@ -20,7 +20,7 @@ from asyncengine.model import cpu_linear
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(load_native() is None, reason="no working C compiler"),
+    pytest.mark.skipif(load_native() is None, reason=unavailable_reason()),
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu
 from asyncengine.kernels.reshape_and_cache_cpu import (
     read_cache_cpu,
@@ -27,7 +27,7 @@ from asyncengine.testing.paged_batches import (
     torch_reference,
 )
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max abs error against the fp32 truth, for outputs of unit-variance inputs. The kernel keeps

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.reshape_and_cache_cpu import read_cache_cpu, reshape_and_cache_cpu
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 
 def test_negative_slots_are_skipped() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

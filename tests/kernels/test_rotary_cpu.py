@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.reshape_and_cache_cpu import reshape_and_cache_cpu
 from asyncengine.kernels.rotary_cpu import rotary_cpu
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

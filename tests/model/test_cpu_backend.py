@@ -20,7 +20,9 @@ from asyncengine.model.attention import AttentionBackend, get_backend
 from asyncengine.model.fused_ops import use_native_cpu_ops
 from asyncengine.testing import transformers_greedy
 
-pytestmark = pytest.mark.skipif(cpu_native.load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(
+    cpu_native.load_native() is None, reason=cpu_native.unavailable_reason()
+)
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 8

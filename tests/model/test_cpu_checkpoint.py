@@ -19,14 +19,14 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.model import cpu_checkpoint
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 from asyncengine.testing.models import build_tiny_model
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
 pytestmark = [
-    pytest.mark.skipif(load_native() is None, reason="no working C compiler"),
+    pytest.mark.skipif(load_native() is None, reason=unavailable_reason()),
     pytest.mark.timeout(300),
 ]
 

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.lm_head_argmax_cpu import LmHeadArgmax
 from asyncengine.model import cpu_checkpoint, cpu_forward
 from asyncengine.model.transformers_model import TransformersModel
 from asyncengine.testing.models import TINY_ARCHITECTURES
 from asyncengine.testing.reference import engine_tokens_and_logprobs
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 
 def _prompts() -> list[list[int]]:

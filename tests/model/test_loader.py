@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncengine.config import EngineConfig, ModelConfig
-from asyncengine.kernels.cpu_native import load_native
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.model import cpu_checkpoint
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_forward import CpuForward
@@ -18,7 +18,7 @@ from asyncengine.model.interface import ModelForward
 from asyncengine.model.loader import choose_model, load_model_forward
 from asyncengine.model.transformers_model import TransformersModel
 
-pytestmark = pytest.mark.skipif(load_native() is None, reason="no working C compiler")
+pytestmark = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
 
 CPU = torch.device("cpu")
 BLOCK = 16
