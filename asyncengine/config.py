@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncengine.default_model import resolve_model
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority", "sjf")
@@ -177,7 +179,7 @@ class EngineConfig:
         generation_config: str = "auto",
     ) -> EngineConfig:
         """Validate the keywords and read the model's config; raises ValueError naming the field."""
-        model_dir = Path(model).expanduser()
+        model_dir = resolve_model(model)
         hf = _read_hf_config(model_dir)
         generation = _read_generation_config(model_dir, generation_config)
         _check_choice("dtype", dtype, _DTYPES)
@@ -383,7 +385,8 @@ def _read_hf_config(model_dir: Path) -> dict[str, Any]:
     if not model_dir.is_dir():
         raise ValueError(
             f"model={str(model_dir)!r} is not a directory: give a local Hugging Face model "
-            "folder (config.json, *.safetensors, tokenizer files); nothing is downloaded"
+            "folder (config.json, *.safetensors, tokenizer files), or 'default' for the "
+            "embedded default model; nothing is downloaded"
         )
     path = model_dir / "config.json"
     if not path.is_file():

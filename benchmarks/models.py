@@ -150,10 +150,10 @@ def _use_tokenizer_of(tokenizer_dir: Path, target: Path) -> None:
 
 def _default_model() -> Path:
     try:
-        from asyncengine.entrypoints.default_model import default_model_dir
+        from asyncengine.default_model import default_model_dir
     except ImportError as exc:
         raise ModelUnavailable(
-            f"asyncengine.entrypoints.default_model is not importable: {exc}"
+            f"asyncengine.default_model is not importable: {exc}"
         ) from exc
     try:
         return default_model_dir()

@@ -58,7 +58,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         target = sys.argv[1]
     else:
-        from asyncengine.entrypoints.default_model import default_model_dir
+        from asyncengine.default_model import default_model_dir
 
         target = str(default_model_dir())
     anyio.run(main, target)

@@ -18,7 +18,7 @@ HEAVY = ("torch", "transformers", "triton", "numpy")
         "from asyncengine import SamplingParams, RequestOutput, RequestOutputKind",
         "from asyncengine import EngineConfig",
         "import asyncengine.entrypoints.cli",
-        "import asyncengine.entrypoints.default_model",
+        "import asyncengine.default_model",
     ],
 )
 def test_import_loads_no_torch(statement: str) -> None:

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.block_hash",
         "asyncengine.child_process",
         "asyncengine.config",
+        "asyncengine.default_model",
         "asyncengine.errors",
         "asyncengine.heap",
         "asyncengine.outputs",

@@ -110,7 +110,7 @@ TINY: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module", params=sorted(TINY))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random model (fp32) with SmolLM2's tokenizer."""
-    from asyncengine.entrypoints.default_model import default_model_dir
+    from asyncengine.default_model import default_model_dir
     from asyncengine.testing.models import build_tiny_model
 
     arch = request.param

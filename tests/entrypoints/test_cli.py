@@ -21,7 +21,8 @@ import pytest
 
 from asyncengine import config as config_module
 from asyncengine.config import EngineConfig
-from asyncengine.entrypoints import cli, default_model
+from asyncengine import default_model
+from asyncengine.entrypoints import cli
 
 ALL_ENGINE_FLAGS = [
     "--dtype", "bfloat16",

