@@ -91,7 +91,7 @@ class RayCluster:
             import ray.util
         except ImportError:
             raise EngineStartupError(
-                "data_parallel_backend='ray' needs ray: pip install 'asyncengine[ray]'"
+                "data_parallel_backend='ray' needs ray: pip install 'ray>=2.40' (the `ray` extra)"
             ) from None
         from ray.util.placement_group import placement_group
 

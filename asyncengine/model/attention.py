@@ -104,7 +104,7 @@ def _triton_backend(device_type: str) -> AttentionBackend:
     except ImportError as e:
         raise RuntimeError(
             "attention_backend='triton' needs the triton package: "
-            "pip install 'asyncengine[triton]', or choose attention_backend='torch'"
+            "pip install 'triton>=3.2' (the `triton` extra), or choose attention_backend='torch'"
         ) from e
     if (device_type == "cpu") != INTERPRETING:
         mode = "under the interpreter" if INTERPRETING else "compiled"

@@ -1,7 +1,10 @@
 """The official `openai` client against `asyncengine serve`.
 
-asyncengine serve path/to/model --port 8000 --api-key sk-local &
-python docs/examples/openai_client.py path/to/model
+asyncengine serve default --port 8000 --api-key sk-local &
+python docs/examples/openai_client.py
+
+For `asyncengine serve path/to/my-model`, pass the served name: the folder's name
+(`python docs/examples/openai_client.py my-model`), or the server's --served-model-name.
 """
 
 from __future__ import annotations
