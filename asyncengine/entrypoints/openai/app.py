@@ -146,10 +146,11 @@ class _Endpoints:
 
     def _card(self) -> ModelCard:
         config = self.state.engine.config.model_config
+        # `root` is the served name, as in vLLM: the model folder's path stays private.
         return ModelCard(
             id=self.state.model_name,
             created=int(self.state.created),
-            root=str(config.model),
+            root=self.state.model_name,
             max_model_len=config.max_model_len,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from openai_testing import ENGINE_KW, parse_metrics, parse_sse, run_in_thread
@@ -39,6 +40,24 @@ async def test_engine_not_running_gives_503(chat_model: Path) -> None:
         metrics = parse_metrics((await client.get("/metrics")).text)
         assert "asyncengine_prompt_tokens_total" in metrics
         assert "asyncengine_num_requests_running" not in metrics
+
+
+@pytest.mark.parametrize("served_model_name", [None, "tiny-served"])
+async def test_models_never_show_the_model_folder(
+    chat_model: Path, served_model_name: str | None
+) -> None:
+    # `serve --help` and docs/server.md promise it: `root` once showed the folder's path.
+    app = build_app(chat_model, served_model_name=served_model_name, core="thread", **ENGINE_KW)
+    name = served_model_name or chat_model.name
+    folders = [str(chat_model.parent), str((await anyio.Path(chat_model).resolve()).parent)]
+    async with _client(app) as client:
+        listing = await client.get("/v1/models")
+        card = await client.get(f"/v1/models/{name}")
+    for response in (listing, card):
+        assert response.status_code == 200
+        assert not [folder for folder in folders if folder in response.text]
+    assert listing.json()["data"] == [card.json()]
+    assert card.json()["id"] == card.json()["root"] == name
 
 
 def test_build_app_checks_its_arguments(chat_model: Path) -> None:
