@@ -32,8 +32,10 @@ _ERROR_TYPES = {
 # "... - at `$.messages[0].role`", or "Object missing required field `prompt`".
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MSGSPEC_MISSING = re.compile(r"missing required field `([^`]+)`")
-# SamplingParams' ValueErrors start with "SamplingParams.<field>=<value> is invalid".
+# SamplingParams' ValueErrors start with "SamplingParams.<field>=<value> is invalid"; the
+# engine's other checks of a request's fields with "<field>=<value> is invalid".
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
+_FIELD = re.compile(r"^(\w+)=\S")
 
 
 class OpenAIError(Exception):
@@ -109,6 +111,8 @@ def from_value_error(exc: ValueError, renames: dict[str, str] | None = None) -> 
         if renames and param in renames:
             text = renames[param] + text[len(param) :]
             param = renames[param]
+    elif (m := _FIELD.match(text)) is not None:
+        param = m.group(1)
     return bad_request(text, param)
 
 

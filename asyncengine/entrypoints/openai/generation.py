@@ -1,7 +1,8 @@
 """Running a request's prompts through the engine, shared by both generation endpoints.
 
 Each prompt becomes one engine request (`n` sequences), tokenised and checked here before
-anything is sent, so a bad prompt is a 400 before any response starts, even when streaming.
+anything is sent (`check_request`: every check the engine's InputProcessor makes, with the
+field named), so a bad request is a 400 before any response starts, even when streaming.
 The prompts of a batch run concurrently in one task group; the first error cancels the rest.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from asyncengine.client.input_processor import request_limits
+from asyncengine.client.input_processor import InputProcessor, request_limits
 from asyncengine.entrypoints.openai.errors import bad_request, from_value_error
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.outputs import RequestOutput
@@ -32,10 +33,45 @@ class EnginePrompt:
     text: str | None = None  # the prompt as text, when given as text (for `echo`)
 
 
-def check_prompt(
-    state: ServerState, prompt: EnginePrompt, params: SamplingParams, param: str
+def check_request(
+    state: ServerState,
+    prompts: Sequence[EnginePrompt],
+    params: SamplingParams,
+    priority: int,
+    param: str,
+    max_tokens_param: str = "max_tokens",
 ) -> None:
-    """400 (naming `param`, or `max_tokens`) for a prompt the engine would refuse."""
+    """400 naming the field for a request the engine would refuse; `param` names the prompts,
+    `max_tokens_param` the output budget (chat's may be `max_completion_tokens`).
+
+    Called before a response starts: the engine checks a request only when its stream is
+    first read, which for a streamed response is after the status line went out.
+    """
+    for prompt in prompts:
+        check_prompt(state, prompt, params, param, max_tokens_param)
+    # Then the engine's own checks (the priority's range among them: msgspec decodes JSON
+    # integers of any size), on an InputProcessor of our own that sends nothing: whatever
+    # the engine would refuse is refused here, even a check added to it later.
+    engine = state.engine
+    processor = InputProcessor(
+        engine.tokenizer, engine.config.model_config.vocab_size, request_limits(engine.config)
+    )
+    for prompt in prompts:
+        try:
+            processor.process(prompt.token_ids, params, priority=priority)
+        except ValueError as exc:
+            error = from_value_error(exc)
+            raise (error if error.param else bad_request(str(exc), param)) from None
+
+
+def check_prompt(
+    state: ServerState,
+    prompt: EnginePrompt,
+    params: SamplingParams,
+    param: str,
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """400 (naming `param`, or `max_tokens_param`) for a prompt the engine would refuse."""
     model_config = state.engine.config.model_config
     num_tokens, max_len = len(prompt.token_ids), model_config.max_model_len
     try:
@@ -48,18 +84,18 @@ def check_prompt(
             f"{num_tokens} tokens, leaving no room for the completion.",
             param,
         )
-    if params.max_tokens is not None and num_tokens + params.max_tokens > max_len:
+    if isinstance(params.max_tokens, int) and num_tokens + params.max_tokens > max_len:
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{num_tokens + params.max_tokens} tokens ({num_tokens} in the prompt, "
             f"{params.max_tokens} for the completion).",
-            "max_tokens",
+            max_tokens_param,
         )
     try:
         request_limits(state.engine.config).check("this request", num_tokens, params)
     except ValueError as exc:
         error = from_value_error(exc)  # names `n` for too many sequences
-        raise (error if error.param else bad_request(str(exc), "max_tokens")) from None
+        raise (error if error.param else bad_request(str(exc), max_tokens_param)) from None
 
 
 async def run_prompts(

@@ -6,6 +6,7 @@ run_prompts (one engine request, DELTA outputs) → `n` choices of assistant mes
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_v
 from asyncengine.entrypoints.openai.generation import (
     EnginePrompt,
     OnOutput,
-    check_prompt,
+    check_request,
     created_now,
     new_request_id,
     run_prompts,
@@ -56,6 +57,9 @@ from asyncengine.integrations.starlette import SSEResponse
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
+# render_chat names a bad message at the start of its message: "messages[2].content must...".
+_MESSAGE_FIELD = re.compile(r"^(messages\[\d+\](?:\.\w+)?)")
+
 
 @dataclass(slots=True, eq=False)
 class _ChoiceState:
@@ -80,7 +84,10 @@ class ChatServing:
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         params = _params(req, tools)
         prompt = self._prompt(req, tools)
-        check_prompt(state, prompt, params, "messages")
+        # Every field is checked by now: a streamed request is refused before its stream.
+        check_request(
+            state, [prompt], params, req.priority or 0, "messages", _max_tokens_field(req)
+        )
         run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools)
         constrained = tools is not None and tools.choice != "auto"
         if req.stream:
@@ -120,6 +127,7 @@ class ChatServing:
             if message.name is not None:
                 entry["name"] = message.name
             if message.tool_calls is not None:
+                _check_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
                 entry["tool_calls"] = message.tool_calls
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
@@ -136,12 +144,45 @@ class ChatServing:
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template_kwargs=template_kwargs,
             )
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+        except ValueError as exc:  # a bad message, named in the text ("messages[1].role=...")
+            m = _MESSAGE_FIELD.match(str(exc))
+            raise bad_request(str(exc), m.group(1) if m else "messages") from None
+        except (TypeError, RuntimeError) as exc:
+            # What a template raises beyond jinja's own errors (adding a string to a number,
+            # iterating one) comes from the data it was given, as in vLLM: the request's.
+            raise bad_request(
+                f"the chat template failed: {type(exc).__name__}: {exc}", "messages"
+            ) from None
         return EnginePrompt(prompt.token_ids, prompt.text)
 
 
+def _check_tool_calls(calls: list[dict[str, Any]], param: str) -> None:
+    """400 unless each of an assistant's earlier calls has OpenAI's shape (templates and the
+    tool prompt read `function.name` and `function.arguments`)."""
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+            or not isinstance(fn.get("arguments", ""), (str, dict))
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+        ):
+            raise bad_request(
+                f'{param}[{j}] must be {{"id": ..., "type": "function", "function": '
+                f'{{"name": ..., "arguments": "<JSON text>"}}}}, not {call!r:.200}',
+                param,
+            )
+
+
 def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingParams:
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        # max_completion_tokens wins, but a bad max_tokens beside it is still refused.
+        try:
+            SamplingParams(max_tokens=req.max_tokens)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     constraint = request_constraint(req)
@@ -154,9 +195,10 @@ def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingPa
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_name = req.max_tokens, "max_tokens"
+    max_name = _max_tokens_field(req)
+    max_tokens = (
+        req.max_completion_tokens if max_name == "max_completion_tokens" else req.max_tokens
+    )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
         return sampling_params(
@@ -167,6 +209,11 @@ def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingPa
         )
     except ValueError as exc:
         raise from_value_error(exc, {"logprobs": "top_logprobs", "max_tokens": max_name}) from None
+
+
+def _max_tokens_field(req: ChatCompletionRequest) -> str:
+    """Which field holds the output budget: OpenAI's newer name wins over the older one."""
+    return "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
 
 
 class _Run:

@@ -19,7 +19,7 @@ from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_v
 from asyncengine.entrypoints.openai.generation import (
     EnginePrompt,
     OnOutput,
-    check_prompt,
+    check_request,
     created_now,
     new_request_id,
     run_prompts,
@@ -66,6 +66,7 @@ class CompletionServing:
         state.check_ready()
         params = _params(req)
         prompts = self._prompts(req, params)
+        # Every field is checked by now: a streamed request is refused before its stream.
         run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival)
         if req.stream:
             # A constrained request the engine refuses before its first token (a schema that
@@ -102,8 +103,8 @@ class CompletionServing:
                 "lists of token ids (not a mixture)",
                 "prompt",
             )
+        check_request(self.state, prompts, params, req.priority or 0, "prompt")
         for p in prompts:
-            check_prompt(self.state, p, params, "prompt")
             if req.echo and p.text is None:
                 p.text = tokenizer.decode(p.token_ids, skip_special_tokens=False)
         return prompts

@@ -114,8 +114,11 @@ def tool_request(
             )
         functions[name] = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
     if isinstance(tool_choice, dict):
-        named = (tool_choice.get("function") or {}).get("name")
-        if tool_choice.get("type") != "function" or named not in functions:
+        function = tool_choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else None
+        # A str first: an unhashable name (a list, say) must not reach `in functions`.
+        known = isinstance(named, str) and named in functions
+        if tool_choice.get("type") != "function" or not known:
             raise bad_request(
                 f"tool_choice names no function of tools: {tool_choice!r}; allowed are "
                 f'{", ".join(TOOL_CHOICES)} or {{"type": "function", "function": {{"name": '
