@@ -43,7 +43,11 @@ from asyncengine.entrypoints.openai.protocol import (
     sampling_params,
 )
 from asyncengine.entrypoints.openai.state import ServerState
-from asyncengine.entrypoints.openai.structured import constraint_error, request_constraint
+from asyncengine.entrypoints.openai.structured import (
+    CONSTRAINED_STREAM_WAIT_S,
+    constraint_error,
+    request_constraint,
+)
 from asyncengine.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolRequest,
@@ -100,6 +104,7 @@ class ChatServing:
             return SSEResponse(
                 run.stream,
                 early_error=early_error if params.structured_outputs is not None else None,
+                wait_s=CONSTRAINED_STREAM_WAIT_S,
             )
         try:
             body = await call_until_disconnect(request.receive, run.complete)

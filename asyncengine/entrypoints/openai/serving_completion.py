@@ -33,7 +33,11 @@ from asyncengine.entrypoints.openai.protocol import (
     sampling_params,
 )
 from asyncengine.entrypoints.openai.state import ServerState
-from asyncengine.entrypoints.openai.structured import constraint_error, request_constraint
+from asyncengine.entrypoints.openai.structured import (
+    CONSTRAINED_STREAM_WAIT_S,
+    constraint_error,
+    request_constraint,
+)
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
 from asyncengine.integrations.starlette import SSEResponse
@@ -76,6 +80,7 @@ class CompletionServing:
             return SSEResponse(
                 run.stream,
                 early_error=lambda exc: error_for(constraint_error(exc, req, False)).response(),
+                wait_s=CONSTRAINED_STREAM_WAIT_S,
             )
         try:
             body = await call_until_disconnect(request.receive, run.complete)

@@ -3,6 +3,7 @@ extension, → `StructuredOutputsParams` (a 400 naming the parameter when malfor
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -12,6 +13,11 @@ from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# How long a constrained stream's status line waits for its first output: until it comes.
+# The core compiles the constraint first (seconds for a core's first, which loads xgrammar),
+# and one it cannot compile must be a 400 naming it. After a shorter wait the status went out
+# first, and the refusal then broke the stream off with no event at all.
+CONSTRAINED_STREAM_WAIT_S = math.inf
 _CLIENT_PREFIX = re.compile(r"^request '[^']*' is invalid: ")
 _SCHEMA_PLACES = {
     "response_format": "response_format.json_schema.schema",

@@ -379,3 +379,21 @@ def test_a_template_that_raises_on_a_request_is_a_400(chat_model: Path, tmp_path
             body = {"messages": [message], "max_tokens": 1, "stream": stream}
             error = _refusal(http, "/v1/chat/completions", body)
             assert error["param"] == "messages" and "TypeError" in error["message"]
+
+
+@pytest.mark.timeout(180)
+def test_a_constraint_the_core_cannot_compile_is_a_400_before_any_stream(
+    chat_model: Path,
+) -> None:
+    # A core process's first compile loads xgrammar (over a second here): the status line
+    # went out after a second, and the refusal then broke the stream off.
+    engine = AsyncLLM.from_pretrained(chat_model, core="process", **ENGINE_KW)
+    with (
+        run_in_thread(build_app(engine, api_key=API_KEY)) as running,
+        httpx.Client(base_url=running.url, headers=running.auth, timeout=60) as http,
+    ):
+        for path, body in BODIES.items():
+            body = {**body, "structured_outputs": {"regex": "("}, "stream": True}
+            error = _refusal(http, path, body)
+            assert error["param"] == "structured_outputs" and "regex" in error["message"]
+        _serves_normally(http)
