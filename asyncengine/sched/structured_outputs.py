@@ -30,6 +30,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncengine.sampling_params import StructuredOutputsParams
+from asyncengine.sched.json_schema_grammar import (
+    UnsupportedSchemaError,
+    json_object_ebnf,
+    json_schema_ebnf,
+)
 
 if TYPE_CHECKING:
     import xgrammar
@@ -43,7 +48,6 @@ _CACHE_ENTRIES = 256
 _BATCH_FILL_MIN_ROWS = 8
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; users need what follows.
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-_ANY_OBJECT = '{"type": "object"}'
 
 
 class InvalidConstraintError(ValueError):
@@ -163,20 +167,21 @@ class StructuredOutputManager:
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         compiler = self._compiler or self._make_compiler()
         try:
+            # JSON: compact (no free whitespace for a model to wander in), and strict where
+            # xgrammar's own conversion is loose (json_schema_grammar.py).
             if kind == "json":
-                # Compact JSON: no free whitespace for a model to wander in.
-                return compiler.compile_json_schema(text, any_whitespace=False)
+                return compiler.compile_grammar(json_schema_ebnf(text))
             if kind == "json_object":
-                return compiler.compile_json_schema(
-                    _ANY_OBJECT, any_whitespace=False, strict_mode=False
-                )
+                return compiler.compile_grammar(json_object_ebnf())
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(_json_loads_list(text)))
             assert kind == "grammar", kind
             return compiler.compile_grammar(text)
-        except RuntimeError as exc:  # xgrammar reports every parse error as RuntimeError
+        # xgrammar reports every parse error as RuntimeError; ours name an unsupported
+        # schema feature.
+        except (RuntimeError, UnsupportedSchemaError) as exc:
             message = _NATIVE_PREFIX.sub("", str(exc)).strip()
             raise InvalidConstraintError(
                 f"structured_outputs.{kind} could not be compiled: {message}"

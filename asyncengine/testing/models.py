@@ -87,6 +87,27 @@ def _ascii_tokenizer(vocab_size: int) -> Any:
     return _wrap(tokenizer)
 
 
+def _bytes_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer over all 256 bytes (every byte is a token, control
+    characters and the bytes of multi-byte UTF-8 characters included, plus merges learned
+    from a little JSON): a random model with it can write any byte sequence, so it finds
+    whatever a grammar lets through (raw control characters, surrogates, overlong UTF-8)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        limit_alphabet=256,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
+    return _wrap(tokenizer)
+
+
 def _config(arch: str, **overrides: Any) -> Any:
     import transformers
 
@@ -128,8 +149,10 @@ def build_tiny_model(
     """Build a random-weight `arch` model (see TINY_ARCHITECTURES) and save it to `path`.
 
     `overrides` change the transformers config (hidden_size, num_hidden_layers, ...).
-    `tokenizer`: "words" (a word-level vocabulary of letters and common words) or "ascii"
-    (byte-level BPE over printable ASCII: it spells JSON; smaller than the model's vocabulary).
+    `tokenizer`: "words" (a word-level vocabulary of letters and common words), "ascii"
+    (byte-level BPE over printable ASCII: it spells JSON; smaller than the model's vocabulary)
+    or "bytes" (byte-level BPE over all 256 bytes: it can spell any text, and any invalid
+    UTF-8 too; also smaller than the model's vocabulary).
     Returns the folder, which holds config.json, model.safetensors and tokenizer files.
     """
     import torch
@@ -151,8 +174,10 @@ def build_tiny_model(
         _tiny_tokenizer(config.vocab_size).save_pretrained(path)
     elif tokenizer == "ascii":
         _ascii_tokenizer(config.vocab_size).save_pretrained(path)
+    elif tokenizer == "bytes":
+        _bytes_tokenizer(config.vocab_size).save_pretrained(path)
     else:
-        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words' or 'ascii'")
+        raise ValueError(f"tokenizer={tokenizer!r} is invalid: must be 'words', 'ascii' or 'bytes'")
     # Record that this is a plain random checkpoint for anyone looking at the folder.
     (path / "asyncengine_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return path

@@ -271,6 +271,11 @@ def test_equal_constraints_compile_once(llm: LLM) -> None:
     ("constraint", "named"),
     [
         (StructuredOutputsParams(json={"type": "no-such-type"}), "no-such-type"),
+        # A schema feature the grammar cannot enforce is refused, named (not ignored).
+        (
+            StructuredOutputsParams(json={"type": "array", "uniqueItems": True}),
+            "uniqueItems is not supported",
+        ),
         (StructuredOutputsParams(regex="(unclosed"), "parenthesis"),
         (StructuredOutputsParams(grammar="root ::= undefined_rule"), "undefined_rule"),
     ],
