@@ -13,6 +13,7 @@ passes through `extra_body`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -115,9 +116,18 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: Iterable[tuple[str, float | int]] = (),
 ) -> SamplingParams:
-    """The request's SamplingParams (DELTA outputs); ValueError naming a bad field."""
-    given: dict[str, Any] = {
+    """The request's SamplingParams (DELTA outputs); ValueError naming a bad field.
+
+    `defaults` (the model's, from its generation_config.json) fill the fields the request
+    leaves out, as vLLM does; `max_tokens` is the endpoint's own (None: up to the context),
+    or the model's `max_new_tokens` where the request gave none."""
+    model = dict(defaults)
+    model_max_tokens = model.pop("max_tokens", None)
+    if max_tokens is None and isinstance(model_max_tokens, int):
+        max_tokens = model_max_tokens
+    given: dict[str, Any] = model | {
         name: getattr(request, name)
         for name in (
             "n", "temperature", "top_p", "stop", "seed", "presence_penalty",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,7 @@ class ChatServing:
         state.check_model(req.model)
         state.check_ready()
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-        params = _params(req, tools)
+        params = _params(req, tools, state.engine.config.model_config.sampling_defaults)
         prompt = self._prompt(req, tools)
         # Every field is checked by now: a streamed request is refused before its stream.
         check_request(
@@ -181,7 +182,11 @@ def _check_tool_calls(calls: list[dict[str, Any]], param: str) -> None:
             )
 
 
-def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingParams:
+def _params(
+    req: ChatCompletionRequest,
+    tools: ToolRequest | None,
+    defaults: Iterable[tuple[str, float | int]],
+) -> SamplingParams:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         # max_completion_tokens wins, but a bad max_tokens beside it is still refused.
         try:
@@ -211,6 +216,7 @@ def _params(req: ChatCompletionRequest, tools: ToolRequest | None) -> SamplingPa
             max_tokens=max_tokens,
             logprobs=logprobs,
             structured_outputs=constraint or tool_constraint,
+            defaults=defaults,
         )
     except ValueError as exc:
         raise from_value_error(exc, {"logprobs": "top_logprobs", "max_tokens": max_name}) from None

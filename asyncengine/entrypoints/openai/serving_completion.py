@@ -7,6 +7,7 @@ run_prompts (one engine request each, DELTA outputs) → choices, indexed prompt
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -68,7 +69,7 @@ class CompletionServing:
         req = await decode_request(request, state.max_request_body_bytes, CompletionRequest)
         state.check_model(req.model)
         state.check_ready()
-        params = _params(req)
+        params = _params(req, state.engine.config.model_config.sampling_defaults)
         prompts = self._prompts(req, params)
         # Every field is checked by now: a streamed request is refused before its stream.
         run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival)
@@ -115,7 +116,7 @@ class CompletionServing:
         return prompts
 
 
-def _params(req: CompletionRequest) -> SamplingParams:
+def _params(req: CompletionRequest, defaults: Iterable[tuple[str, float | int]]) -> SamplingParams:
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if req.logit_bias:
@@ -127,7 +128,11 @@ def _params(req: CompletionRequest) -> SamplingParams:
     constraint = request_constraint(req)
     try:
         return sampling_params(
-            req, max_tokens=req.max_tokens, logprobs=req.logprobs, structured_outputs=constraint
+            req,
+            max_tokens=req.max_tokens,
+            logprobs=req.logprobs,
+            structured_outputs=constraint,
+            defaults=defaults,
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
