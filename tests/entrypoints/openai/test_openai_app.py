@@ -12,6 +12,7 @@ from openai_testing import ENGINE_KW, parse_metrics, parse_sse, run_in_thread
 
 from asyncengine import AsyncLLM
 from asyncengine.entrypoints.openai import build_app
+from asyncengine.testing import fault_injection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,17 +115,21 @@ def test_a_full_queue_answers_503_with_retry_after(chat_model: Path) -> None:
     with (
         run_in_thread(app, drain_timeout=0.0) as running,
         httpx.Client(base_url=running.url, timeout=60) as client,
-        client.stream("POST", "/v1/completions", json=long) as first,
     ):
-        next(first.iter_text())  # the first request runs: it has left the queue
-        with client.stream("POST", "/v1/completions", json=long) as second:
-            assert second.status_code == 200  # it waits in the queue, behind the first
-            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            assert refused.status_code == 503
-            assert refused.headers["retry-after"] == "1"
-            error = refused.json()["error"]
-            assert error["type"] == "ServiceUnavailableError"
-            assert "max_queued_requests=1" in error["message"]
+        # 10 ms a step: the first request runs for 4 s, so it is still running (and the second
+        # still queued) when the third arrives, however fast the tiny model is.
+        core = running.state.engine._core_client.engine_core  # type: ignore[attr-defined]
+        fault_injection.CORE_HOOKS["testing_delay_steps"](core, 0.01)
+        with client.stream("POST", "/v1/completions", json=long) as first:
+            next(first.iter_text())  # the first request runs: it has left the queue
+            with client.stream("POST", "/v1/completions", json=long) as second:
+                assert second.status_code == 200  # it waits in the queue, behind the first
+                refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert refused.status_code == 503
+                assert refused.headers["retry-after"] == "1"
+                error = refused.json()["error"]
+                assert error["type"] == "ServiceUnavailableError"
+                assert "max_queued_requests=1" in error["message"]
 
 
 async def test_only_allowed_host_headers_are_answered(chat_model: Path) -> None:
