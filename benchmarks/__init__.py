@@ -1,1 +1,1 @@
-"""Benchmarks: asyncengine measured side by side with its peers (see throughput.py)."""
+"""Benchmarks: asyncengine measured side by side with its peers (see README.md)."""

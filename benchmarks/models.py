@@ -4,9 +4,9 @@
 - `b`: SmolLM2-135M-Instruct, the engine's embedded default model (converted by
   `asyncengine.entrypoints.default_model`, which keeps it in its own cache).
 - `c`: a random Llama, hidden 1024, 8 layers, 16/8 heads, vocab 49152 with SmolLM2's
-  tokenizer (~225M parameters); built only when asked for. (Until session 15 it had vocab
+  tokenizer (~225M parameters); built only when asked for. (Until 2026-11-26 it had vocab
   32000 and the test models' word-level tokenizer, which llama.cpp's GGUF converter refuses:
-  its figures before then are of that smaller model.)
+  figures of c from before then are of that smaller model.)
 - `d`: a random Qwen2 with Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14/2 heads, MLP
   4864, vocab 151936, tied embeddings, q/k/v biases; ~0.5B parameters) and SmolLM2's
   tokenizer (49152 ids: the model's vocabulary is padded, as real checkpoints' often are,
@@ -152,9 +152,7 @@ def _default_model() -> Path:
     try:
         from asyncengine.default_model import default_model_dir
     except ImportError as exc:
-        raise ModelUnavailable(
-            f"asyncengine.default_model is not importable: {exc}"
-        ) from exc
+        raise ModelUnavailable(f"asyncengine.default_model is not importable: {exc}") from exc
     try:
         return default_model_dir()
     except Exception as exc:  # a missing package, a failed conversion: skip, don't crash

@@ -18,7 +18,7 @@ import pytest
 # benchmarks/ sits beside the package at the repository root, which is not on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.http_load import (
+from benchmarks.peers.http_load import (
     C1_REQUESTS,
     LoadError,
     SSEParser,
@@ -26,7 +26,7 @@ from benchmarks.http_load import (
     run_load,
     summarize,
 )
-from benchmarks.servers import (
+from benchmarks.peers.servers import (
     ServerError,
     asyncengine_command,
     free_port,

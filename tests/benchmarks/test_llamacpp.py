@@ -1,4 +1,4 @@
-"""The llama.cpp side of the peers harness (benchmarks/llamacpp.py): its batched-bench table,
+"""The llama.cpp side of the peers harness (benchmarks/peers/llamacpp.py): its batched-bench table,
 GGUF conversion of tiny models by llama.cpp's own converter, and llama.cpp's greedy tokens on
 them against asyncengine's.
 
@@ -24,8 +24,8 @@ import torch
 # benchmarks/ sits beside the package at the repository root, which is not on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import llamacpp
-from benchmarks.servers import free_port, log_tail, running_server
+from benchmarks.peers import llamacpp
+from benchmarks.peers.servers import free_port, log_tail, running_server
 
 # llama-batched-bench's output (stdout, then stderr) from the pinned release, on SmolLM2-135M
 # bf16 with batched_bench()'s defaults, on 2 busy cores (hence the low speeds).

@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.peer_report import (
+from benchmarks.peers.harness import round_order, round_plan
+from benchmarks.peers.report import (
     BATCHED_HEADER,
     FIGURE_HEADER,
     RATIO_HEADER,
@@ -25,8 +26,7 @@ from benchmarks.peer_report import (
     ratio_rows,
     serve_rows,
 )
-from benchmarks.peer_runner import _stream_stats
-from benchmarks.peers import round_order, round_plan
+from benchmarks.peers.runner import _stream_stats
 
 
 def _stream(tok_s: float, ttft: float, itl: float) -> dict[str, object]:

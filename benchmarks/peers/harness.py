@@ -1,46 +1,49 @@
 """asyncengine against llama.cpp, vLLM (CPU build) and transformers, side by side in one run.
 
-    python benchmarks/peers.py [--model a|b|c|d ...] [--engines asyncengine,llama.cpp,...]
+    python -m benchmarks.peers [--model a|b|c|d ...] [--engines asyncengine,llama.cpp,...]
         [--modes offline,async,batched,serve] [--python ENGINE=PATH ...] [--repeats 3]
-        [--rounds 1] [--json out.json] [--plot-dir docs/img] [--update-doc docs/performance.md]
+        [--rounds 1] [--json run.json] [--plot-dir docs/img] [--update-doc [DOC]]
+    python -m benchmarks.peers --from-json run.json [--plot-dir ...] [--update-doc [DOC]]
 
-`nox -s bench_peers` builds one virtualenv per peer (and llama.cpp from source) and runs this
-with their interpreters. Every (model, engine) runs its modes in fresh processes:
+Run from the repository root. `nox -s bench_peers` builds one virtualenv per peer (and
+llama.cpp from source) and runs this with their interpreters. Every (model, engine) runs its
+modes in fresh processes:
 
-- offline and async (benchmarks/peer_runner.py, in the engine's interpreter): time to ready
-  and throughput of the workload; 1, 16 and 64 streams through the in-process async engine
-  (asyncengine's AsyncLLM, vLLM's AsyncLLM). vLLM runs twice: "1t" with its defaults (one
-  model thread), "2t" with VLLM_CPU_OMP_THREADS_BIND over every core.
+- offline and async (runner.py, in the engine's interpreter): time to ready and throughput
+  of the workload; 1, 16 and 64 streams through the in-process async engine (asyncengine's
+  AsyncLLM, vLLM's AsyncLLM). vLLM runs twice: "1t" with its defaults (one model thread),
+  "2t" with VLLM_CPU_OMP_THREADS_BIND over every core.
 - batched: llama-batched-bench's shape (80-token prompts, 64 output tokens, 1/16/64
   sequences): `llama-batched-bench` for llama.cpp, `LLM.generate` for asyncengine.
 - serve: every engine's OpenAI-compatible server (`asyncengine serve`, `llama-server`, `vllm
-  serve`) driven by one HTTP load generator (benchmarks/http_load.py) from this process:
-  streamed /v1/completions, 1/16/64 streams.
+  serve`) driven by one HTTP load generator (http_load.py) from this process: streamed
+  /v1/completions, 1/16/64 streams.
 
-llama.cpp gets each model converted to GGUF bf16 by its own converter (benchmarks/llamacpp.py);
+llama.cpp gets each model converted to GGUF bf16 by its own converter (llamacpp.py);
 `--llama-q8` adds a Q8_0 run, for information only. The report: every engine's figures,
 asyncengine's ratios against vLLM's better setting and against llama.cpp with the targets
 (met only if met in every round), and a PNG per model (throughput and TTFT against streams).
+`--json` saves the run (record.py); `--from-json` makes the report, plots and doc tables again
+from a saved run without running anything; `--update-doc` writes this machine kind's tables
+into docs/performance.md (doc.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import llamacpp
 from benchmarks.child import run_child
-from benchmarks.http_load import run_load
 from benchmarks.models import MODEL_NAMES, ModelUnavailable, describe, model_dir
-from benchmarks.peer_report import (
+from benchmarks.peers import llamacpp, record
+from benchmarks.peers.doc import update_doc
+from benchmarks.peers.http_load import run_load
+from benchmarks.peers.plots import write_plots
+from benchmarks.peers.report import (
     BATCHED_HEADER,
     CONCURRENCIES,
     FIGURE_HEADER,
@@ -55,17 +58,18 @@ from benchmarks.peer_report import (
     ratio_rows,
     serve_rows,
 )
-from benchmarks.peer_runner import (
+from benchmarks.peers.runner import (
     ASYNCENGINE_SERVING,
     BATCHED_GEN_LEN,
     BATCHED_PROMPT_LEN,
     RESULT_PREFIX,
 )
-from benchmarks.servers import asyncengine_command, free_port, running_server, vllm_command
+from benchmarks.peers.servers import asyncengine_command, free_port, running_server, vllm_command
 from benchmarks.workload import workload_for_model
 
-REPO = Path(__file__).resolve().parent.parent
-RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
+REPO = Path(__file__).resolve().parents[2]
+RUNNER_MODULE = "benchmarks.peers.runner"
+DEFAULT_DOC = REPO / "docs" / "performance.md"
 ENGINES = ("asyncengine", "llama.cpp", "vllm-1t", "vllm-2t", "transformers")
 MODES = ("offline", "async", "batched", "serve")
 # What each engine has: transformers has no async engine and no server (its one-stream
@@ -82,12 +86,31 @@ LLAMA_Q8 = "llama.cpp (q8_0)"
 BENCH = REPO / ".bench"
 DEFAULT_VLLM_PYTHON = BENCH / "venv-vllm" / "bin" / "python"
 VLLM_KV_CACHE_GIB = "1"
-DOC_BEGIN = "<!-- peers:begin -->"
-DOC_END = "<!-- peers:end -->"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    failures: list[str] = []
+    if args.from_json:
+        run = record.load(Path(args.from_json))
+    else:
+        run, failures = _measure(args, sys.argv[1:] if argv is None else list(argv))
+        if args.json:
+            record.save(run, Path(args.json))
+    print(_report(run))
+    for failure in failures:
+        print(f"\nFAILED: {failure}")
+    if args.plot_dir:
+        for png in write_plots(run.results, Path(args.plot_dir), run.kind):
+            print(f"plot: {png}", file=sys.stderr)
+    if args.update_doc:
+        for name in update_doc(Path(args.update_doc), run):
+            print(f"{args.update_doc}: wrote the {name} table", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecord, list[str]]:
+    """Every round of every model: the run's record, and what failed."""
     if args.rounds < 1:
         sys.exit(f"--rounds {args.rounds}: expected 1 or more")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -100,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.llama_q8 and "llama.cpp" in engines:
         engines.insert(engines.index("llama.cpp") + 1, LLAMA_Q8)
     pythons = _pythons(args.python)
+    kind, cpu = record.this_cpu()
+    date = record.today()  # the day the run starts
     results: list[PeerResult] = []
     per_round: list[list[PeerResult]] = []
     failures: list[str] = []
@@ -119,37 +144,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 what = mode if batch is None else f"{mode} {batch}"
                 print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {what} ...",
                       file=sys.stderr, flush=True)  # fmt: skip
-                record = _run_mode(engine, mode, name, folder, pythons, args, batch)
-                if "error" in record:
-                    failures.append(f"{engine} {mode} on {name}: {record['error']}")
-                    print(f"  FAILED: {record['error']}", file=sys.stderr)
+                result = _run_mode(engine, mode, name, folder, pythons, args, batch)
+                if "error" in result:
+                    failures.append(f"{engine} {mode} on {name}: {result['error']}")
+                    print(f"  FAILED: {result['error']}", file=sys.stderr)
                     continue
-                runs_of[engine].append(record)
+                runs_of[engine].append(result)
             for engine in round_order(engines, number):
                 runs = runs_of[engine]
                 if runs:
-                    result = merge_runs(engine, label, runs)
-                    rounds.setdefault(engine, []).append(result)
-                    per_round[number].append(result)
-                    print(f"  {_round_summary(result)}", file=sys.stderr, flush=True)
+                    merged = merge_runs(engine, label, runs)
+                    rounds.setdefault(engine, []).append(merged)
+                    per_round[number].append(merged)
+                    print(f"  {_round_summary(merged)}", file=sys.stderr, flush=True)
         results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
-
-    report = _report(results, per_round, args)
-    print(report)
-    for failure in failures:
-        print(f"\nFAILED: {failure}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                [{"engine": r.engine, "model": r.model, **r.data} for r in results], indent=2
-            )
-        )
-    if args.plot_dir:
-        for png in _plot(results, Path(args.plot_dir)):
-            print(f"plot: {png}", file=sys.stderr)
-    if args.update_doc:
-        _update_doc(Path(args.update_doc), report, args)
-    return 1 if failures else 0
+    run = record.RunRecord(
+        results=results,
+        rounds=per_round,
+        date=date,
+        cpu=cpu,
+        kind=kind,
+        command=record.command_line(argv),
+        repeats=args.repeats,
+    )
+    return run, failures
 
 
 def _round_summary(result: PeerResult) -> str:
@@ -195,7 +213,10 @@ def round_plan(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     parser.add_argument("--model", action="append", choices=MODEL_NAMES)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument(
@@ -222,9 +243,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "is the median of the rounds",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--json", help="save the run here (every figure, each round's)")
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="run nothing: report, plot and update the doc from a run saved with --json",
+    )
     parser.add_argument("--plot-dir", help="write one PNG per model here")
-    parser.add_argument("--update-doc", help="replace the peers section of this markdown file")
+    parser.add_argument(
+        "--update-doc",
+        nargs="?",
+        const=str(DEFAULT_DOC),
+        metavar="DOC",
+        help="write this machine kind's tables between their markers in DOC "
+        "(default: docs/performance.md)",
+    )
     parser.add_argument("--verbose", action="store_true", help="show the runners' stderr")
     return parser.parse_args(argv)
 
@@ -367,7 +400,8 @@ def _run(
         return {"error": f"no interpreter at {python} (see `nox -s bench_peers`)"}
     cmd = [
         python,
-        str(RUNNER),
+        "-m",
+        RUNNER_MODULE,
         "--engine",
         engine.split("-")[0],
         "--mode",
@@ -391,8 +425,7 @@ def _run(
     )
 
 
-def _rounds(args: argparse.Namespace) -> str:
-    rounds = getattr(args, "rounds", 1)
+def _rounds(rounds: int) -> str:
     if rounds <= 1:
         return ""
     return (
@@ -406,10 +439,8 @@ def _settings(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
-def _report(
-    results: list[PeerResult], per_round: list[list[PeerResult]], args: argparse.Namespace
-) -> str:
-    cpus = os.cpu_count()
+def _report(run: record.RunRecord) -> str:
+    results, per_round = run.results, run.rounds
     sections = [
         markdown_table(SERVE_HEADER, serve_rows(results)),
         markdown_table(BATCHED_HEADER, batched_rows(results)),
@@ -417,8 +448,9 @@ def _report(
     return "\n\n".join(
         [
             f"Workload: 64 requests, prompts of 32-128 random tokens, 64 greedy output tokens "
-            f"(EOS ignored), bf16; offline: median of {args.repeats} runs{_rounds(args)}; at "
-            f"1 stream: 4 requests one after another; {cpus} CPUs; each engine in fresh processes; "
+            f"(EOS ignored), bf16; offline: median of {run.repeats} runs{_rounds(len(per_round))}; "
+            f"at 1 stream: 4 requests one after another; {run.cpu}; {run.date}; each engine in "
+            "fresh processes; "
             f"asyncengine's AsyncLLM with {_settings(ASYNCENGINE_SERVING)}, its defaults "
             "otherwise.",
             "In-process engines (asyncengine's and vLLM's AsyncLLM; offline `generate`):",
@@ -435,74 +467,3 @@ def _report(
             markdown_table(RATIO_HEADER, ratio_rows(per_round)),
         ]
     )
-
-
-def _plot(results: list[PeerResult], folder: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: skipping the plots", file=sys.stderr)
-        return []
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for model in dict.fromkeys(r.model for r in results):
-        fig, (tput, ttft) = plt.subplots(1, 2, figsize=(10, 4))
-        for r in (r for r in results if r.model == model):
-            lines = {
-                r.engine: [
-                    (c, r.async_tok_s(c), r.latency_ms(c, "ttft_ms")) for c in CONCURRENCIES
-                ],
-                f"{r.engine} (HTTP)": [
-                    (c, r.serve_tok_s(c), r.serve_latency_ms(c, "ttft_ms")) for c in CONCURRENCIES
-                ],
-            }
-            for label, line in lines.items():
-                points = [p for p in line if p[1] is not None]
-                if not points:
-                    continue
-                style = "--" if label.endswith("(HTTP)") else "-"
-                xs = [p[0] for p in points]
-                tput.plot(xs, [p[1] for p in points], style, marker="o", label=label)
-                ttft.plot(xs, [p[2] for p in points], style, marker="o", label=label)
-        for ax, title in ((tput, "output tokens/s"), (ttft, "TTFT p50 (ms)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent streams")
-            ax.set_title(title)
-            ax.grid(True, alpha=0.3)
-            ax.legend()
-        fig.suptitle(model)
-        fig.tight_layout()
-        path = folder / f"peers-{model.split(':')[0]}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def _update_doc(doc: Path, report: str, args: argparse.Namespace) -> None:
-    """Replace what lies between the peers markers (the command, the tables, the plots)."""
-    models = " ".join(f"--model {m}" for m in (args.model or ["a"]))
-    rounds = getattr(args, "rounds", 1)
-    if rounds > 1:
-        models += f" --rounds {rounds}"
-    images = ""
-    if args.plot_dir:
-        rel = os.path.relpath(args.plot_dir, doc.parent)
-        images = "\n\n" + "\n".join(f"![{m}]({rel}/peers-{m}.png)" for m in (args.model or ["a"]))
-    block = (
-        f"{DOC_BEGIN}\n```\npython benchmarks/peers.py {models}\n```\n\n{report}{images}\n{DOC_END}"
-    )
-    text = doc.read_text()
-    if DOC_BEGIN in text and DOC_END in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + block + rest.split(DOC_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## asyncengine against vLLM and transformers\n\n" + block + "\n"
-    doc.write_text(text)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

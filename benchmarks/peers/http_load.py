@@ -4,7 +4,7 @@ llama.cpp's `llama-server` and `vllm serve`.
 Each request is a streamed `/v1/completions` with a token-id prompt, greedy, EOS ignored, so
 every request generates exactly `max_tokens` tokens. Per stream it records the time to the
 first token (TTFT) and the inter-token latencies (ITL); per wave, output tokens over the wall
-time. The summary has the shape of `peer_runner._stream_stats`, so the report reads HTTP and
+time. The summary has the shape of `runner._stream_stats`, so the report reads HTTP and
 in-process runs alike.
 
 The pipeline: bytes → `SSEParser` (events) → `StreamTally` (tokens and times of one stream) →
@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.workload import percentile
 
-# Requests run one after another at concurrency 1, as peer_runner's async mode does: enough
+# Requests run one after another at concurrency 1, as runner.py's async mode does: enough
 # ITL samples for a p99 without making the one-stream wave the longest of the run.
 C1_REQUESTS = 4
 
@@ -147,7 +147,7 @@ class StreamTally:
 
 
 def summarize(tallies: Sequence[StreamTally], wall_seconds: float) -> dict[str, Any]:
-    """One wave's numbers, in `peer_runner._stream_stats`'s shape: `tok_s` (output tokens over
+    """One wave's numbers, in `runner._stream_stats`'s shape: `tok_s` (output tokens over
     `wall_seconds`), `tokens`, `wall_s`, `num_requests`, and `ttft_ms` / `itl_ms` as
     {"p50", "p99"} in milliseconds (each left out when it has no samples)."""
     tokens = sum(t.tokens for t in tallies)

@@ -1,9 +1,10 @@
-"""One engine, one model, one mode, in a fresh process: prints one JSON line for peers.py.
+"""One engine, one model, one mode, in a fresh process: prints one JSON line for the harness.
 
-    python benchmarks/peer_runner.py --engine asyncengine|vllm|transformers
-        --mode offline|async --model-dir DIR [--repeats 3] [--concurrency 1,16,64]
+    python -m benchmarks.peers.runner --engine asyncengine|vllm|transformers
+        --mode offline|async|batched --model-dir DIR [--repeats 3] [--concurrency 1,16,64]
 
-Run by `benchmarks/peers.py` with each peer's own interpreter (its virtualenv), so this file
+Run by the peers harness (`python -m benchmarks.peers`) with each peer's own interpreter (its
+virtualenv), from the repository root, so this file
 imports nothing of asyncengine at the top: only the standard library, psutil and the pure
 Python workload definition. Each engine gets the same workload (benchmarks/workload.py).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import contextlib
 import itertools

@@ -9,7 +9,7 @@
   run with the vendored `gguf-py`, so converter and library match.
 - `batched_bench()`: `llama-batched-bench`, output tokens over the wall time per batch size;
   `parse_batched_bench()` reads its table.
-- `server_command()`: the `llama-server` command line for benchmarks/servers.py.
+- `server_command()`: the `llama-server` command line for servers.py.
 
 The converter imports torch, numpy, transformers, PyYAML (the vendored gguf-py) and, for Llama
 models, sentencepiece. sentencepiece goes into a folder of its own (`.bench/llamacpp/pydeps`,
@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / ".bench"
 # Pinned: the flags used below, and the converter's behaviour, are those of this release's
 # vendored llama.cpp.

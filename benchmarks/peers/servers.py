@@ -1,4 +1,4 @@
-"""Starting and stopping the servers that `benchmarks/http_load.py` drives: `asyncengine
+"""Starting and stopping the servers that `http_load.py` drives: `asyncengine
 serve`, `vllm serve` and llama.cpp's `llama-server`.
 
 Each server runs as a child process in a process group of its own, its output in a log file,
@@ -81,7 +81,7 @@ def vllm_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """`vllm serve MODEL` on 127.0.0.1:`port` under `python` (vLLM's virtualenv), with the
-    settings of peer_runner's in-process vLLM runs (eager, max_model_len 2048, seed 0).
+    settings of runner.py's in-process vLLM runs (eager, max_model_len 2048, seed 0).
 
     Only long-standing flags: `--disable-uvicorn-access-log` silences the per-request access
     log. Request logging is left at vLLM's default: off in recent vLLM, where

@@ -1,7 +1,7 @@
-"""Tables and ratios for `benchmarks/peers.py` (pure Python: unit-tested, no model runs).
+"""Tables and ratios for the peers harness (pure Python: unit-tested, no model runs).
 
 A result is one engine on one model in one round: the merged JSON of its runs (offline and
-async from benchmarks/peer_runner.py, `batched` from the batched-bench shape, `serve` from the
+async from runner.py, `batched` from the batched-bench shape, `serve` from the
 HTTP load generator). The ratios compare asyncengine with a peer for each target: the better
 of vLLM's settings ("better": higher throughput, lower latency, time and memory), or llama.cpp.
 A target is met only when it holds in every round, not just in the median of the rounds.
@@ -163,16 +163,10 @@ def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
     a target is met only if every round met it.
     """
     rows = []
-    models = _models([r for results in rounds for r in results])
+    models = models_of([r for results in rounds for r in results])
     for model in models:
         for t in TARGETS:
-            per_round = []
-            for results in rounds:
-                ours = next((r for r in results if r.model == model and r.engine == OURS), None)
-                mine = t.figure(ours) if ours is not None else None
-                theirs = peer_figure(results, model, t)
-                if mine is not None and theirs:
-                    per_round.append((mine, theirs, mine / theirs))
+            per_round = target_rounds(rounds, model, t)
             if not per_round:
                 continue
             ratios = [ratio for _, _, ratio in per_round]
@@ -194,6 +188,21 @@ def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+def target_rounds(
+    rounds: Sequence[Sequence[PeerResult]], model: str, target: Target
+) -> list[tuple[float, float, float]]:
+    """(asyncengine's figure, the peer's, their ratio) for `target` on `model` in each round
+    that has both figures."""
+    per_round = []
+    for results in rounds:
+        ours = next((r for r in results if r.model == model and r.engine == OURS), None)
+        mine = target.figure(ours) if ours is not None else None
+        theirs = peer_figure(results, model, target)
+        if mine is not None and theirs:
+            per_round.append((mine, theirs, mine / theirs))
+    return per_round
 
 
 def figure_rows(results: Sequence[PeerResult]) -> list[list[str]]:
@@ -322,7 +331,8 @@ def _median_of(values: Sequence[Any]) -> Any:
     return {k: _median_of([v[k] for v in values]) for k in keys}
 
 
-def _models(results: Sequence[PeerResult]) -> list[str]:
+def models_of(results: Sequence[PeerResult]) -> list[str]:
+    """The models of `results`, in the order they first appear."""
     seen: list[str] = []
     for r in results:
         if r.model not in seen:
