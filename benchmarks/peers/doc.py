@@ -133,7 +133,8 @@ def _ratio(per_round: list[tuple[float, float, float]]) -> str:
     if not per_round:
         return ""
     ratios = [ratio for _, _, ratio in per_round]
-    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+    spread = f" ({low}-{high})" if low != high else ""  # rounds that differ, and how far
     return f"{median(ratios):.2f}x{spread}"
 
 

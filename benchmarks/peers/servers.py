@@ -197,6 +197,9 @@ def _wait_ready(
         time.sleep(0.2)
 
 
+_KILL_WAIT_S = 5.0
+
+
 def _stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
     """SIGTERM to `proc`'s process group; after `timeout` seconds, SIGKILL to what is left.
 
@@ -215,6 +218,11 @@ def _stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         proc.wait()
+        # SIGKILL is asynchronous: on a loaded machine an orphaned member can still be running
+        # for a moment after the leader is reaped, holding the cores the next server needs.
+        killed_by = time.monotonic() + _KILL_WAIT_S
+        while _live_members(pgid) and time.monotonic() < killed_by:
+            time.sleep(0.05)
 
 
 def _live_members(pgid: int) -> list[int]:
