@@ -227,12 +227,15 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise _bad("seed", self.seed, "must be None or an integer in [0, 2**63)")
         max_tokens = self.max_tokens
-        if max_tokens is not None and max_tokens is not msgspec.UNSET and (
-            not is_int(max_tokens) or not 1 <= max_tokens <= _MAX_INT32  # type: ignore[operator]
-        ):
-            raise _bad(
-                "max_tokens", max_tokens, f"must be None or an integer in [1, {_MAX_INT32}]"
-            )
+        if max_tokens is not None and max_tokens is not msgspec.UNSET:
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+                max_tokens_ok = False
+            else:
+                max_tokens_ok = 1 <= max_tokens <= _MAX_INT32
+            if not max_tokens_ok:
+                raise _bad(
+                    "max_tokens", max_tokens, f"must be None or an integer in [1, {_MAX_INT32}]"
+                )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _MAX_INT32:
             raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, {_MAX_INT32}]")
         if isinstance(max_tokens, int) and self.min_tokens > max_tokens:

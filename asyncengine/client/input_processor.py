@@ -127,7 +127,6 @@ class InputProcessor:
         ]
         return ProcessedRequest(request_id, text, token_ids, params, core_requests)
 
-
     def _chat_max_tokens(self, num_prompt_tokens: int) -> int | None:
         """A chat's output budget when none is given: until the model stops or the context
         ends (OpenAI's chat default), or the KV cache is full where it holds fewer tokens than

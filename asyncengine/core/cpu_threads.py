@@ -1,6 +1,6 @@
 """ThreadGovernor: on a CPU, the engine's compute threads follow what other processes leave.
 
-Why (measured on 2 cores, SmolLM2, docs/performance.md "Threads that spin, and step aside"):
+Why (measured on 2 cores, SmolLM2; docs/architecture.md, "CPU threads"):
 OpenMP threads that sleep at every barrier (`OMP_WAIT_POLICY=PASSIVE`) pay a wake-up at each of
 the ~240 parallel regions of a decode step: one stream ran at 64 tok/s, against 160-174 with
 threads that spin a little first (`GOMP_SPINCOUNT`, set by `asyncengine.core`). But threads
