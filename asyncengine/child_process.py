@@ -12,6 +12,13 @@ Two pipes connect parent and child:
 - an exit pipe, whose write end only the child holds: its read end (`sentinel`) becomes
   readable when the child exits, so a parent can wait on it in an event loop or a `select`.
 
+A child starts with SIGINT blocked. A terminal's Ctrl-C goes to the whole foreground process
+group, children included, but the engine's owner is the one to act on it (it stops its
+children in order, after a drain when serving); a child that is still importing when it
+arrives must not die of it with a KeyboardInterrupt traceback. The child sets SIGINT aside
+for good (`process_setup.install_signal_handlers`), which discards one held pending, then
+unblocks it.
+
 The interface follows `multiprocessing.Process` (`start`, `pid`, `name`, `sentinel`,
 `exitcode`, `is_alive`, `join`, `terminate`, `kill`), so callers read the same.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import site
 import struct
 import subprocess
@@ -62,6 +70,16 @@ class ChildProcess:
         """Start the child and hand it its payload (blocks for a few milliseconds)."""
         if self._popen is not None:
             raise RuntimeError(f"{self.name} was started already")
+        # The signal mask is per thread and survives fork and exec: the child starts with
+        # SIGINT blocked (see the module's docstring). This thread's own mask is put back
+        # last, so that a Ctrl-C it held lands once the child is started and known.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._spawn()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _spawn(self) -> None:
         exit_r, exit_w = os.pipe()
         env = _child_env()
         try:

@@ -77,15 +77,47 @@ def install_signal_handlers(*, ignore_sigint: bool = False) -> None:
     """SIGTERM (and SIGINT, unless ignored) raise SystemExit in the main thread, so the
     process's `finally` blocks run and it shuts down cleanly.
 
-    Tensor-parallel workers ignore SIGINT: a Ctrl-C in a terminal reaches the whole process
-    group, and the engine core, which stops its workers in order, is the one to act on it.
+    The engine core and tensor-parallel workers ignore SIGINT: a Ctrl-C in a terminal reaches
+    the whole process group, and the engine's owner is the one to act on it (it stops the
+    core, which stops its workers, in order, after a drain when serving). A child starts with
+    SIGINT blocked (`child_process`); it is unblocked here, once its handling is set.
     """
 
     def handler(signum: int, frame: object) -> None:
         raise SystemExit(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else handler)
+    if ignore_sigint:
+        ignore_sigint_from_now()
+    else:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def ignore_sigint_from_now() -> None:
+    """Ignore SIGINT in this process (its owner acts on Ctrl-C), and unblock it: a child
+    starts with SIGINT blocked (`child_process`), and a Ctrl-C held since is discarded."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+# The log level of the engine's own processes (the engine core); unset, they log warnings
+# and errors only, bare. `asyncengine --log-level` sets it for the processes it starts.
+LOG_LEVEL_ENV = "ASYNCENGINE_LOG_LEVEL"
+
+
+def setup_logging(process_name: str) -> None:
+    """Log at `$ASYNCENGINE_LOG_LEVEL` (when set), each line saying which process it is from."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if not level:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(f"({process_name} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
 
 
 def hard_exit(exit_code: int) -> NoReturn:

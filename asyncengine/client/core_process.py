@@ -45,7 +45,9 @@ class CoreProcess:
     addresses and waits for READY (EngineStartupError with the root cause otherwise);
     `wait_exit()` returns when the process has exited; `stop()` ends it (and every process
     it started) and is idempotent. `name` ("engine core", "engine core rank 1") is how
-    messages speak of it.
+    messages speak of it. The core ignores SIGINT (`ignore_sigint`): a terminal's Ctrl-C
+    reaches the whole process group, and the core's owner acts on it, stopping the core
+    when it is done with it (after a drain, when serving).
     """
 
     def __init__(
@@ -56,7 +58,7 @@ class CoreProcess:
         *,
         name: str = "engine core",
         startup_timeout: float,
-        ignore_sigint: bool = False,
+        ignore_sigint: bool = True,
         tcp_host: str | None = None,
     ) -> None:
         self.config = config
@@ -208,9 +210,14 @@ def stop_process_tree(proc: ChildProcess, kill: bool = False) -> None:
 
 
 def exit_desc(proc: ChildProcess) -> str:
+    """How `proc` ended, for messages: "exit code 1", "killed by SIGKILL"."""
     code = proc.exitcode
     if code is None:
         return "still running"
+    if code == 0:
+        # The engine's processes exit 0 only when told to stop (SIGTERM), and the stops their
+        # owner makes are never reported: another process sent it.
+        return "exit code 0: another process stopped it with SIGTERM"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

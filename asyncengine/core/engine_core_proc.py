@@ -12,7 +12,9 @@ In the process, three threads share the work, so the loop never waits on a socke
 
 The executor's failure callback puts EXECUTOR_FAILED on input_queue; the loop raises, the
 output thread sends ENGINE_CORE_DEAD (`EngineCoreOutputs.engine_dead`), and the process exits
-non-zero. SIGTERM and SIGINT shut it down cleanly; so does the death of its parent.
+non-zero. SIGTERM shuts it down cleanly; so does the death of its parent. SIGINT is ignored
+(unless the launch says otherwise): a terminal's Ctrl-C reaches the whole process group, and
+the core's owner is the one to act on it, stopping the core when it is done with it.
 
 Nothing hangs: a watchdog thread ends the process (after ENGINE_CORE_DEAD) when a step runs
 past `step_timeout`, and the output thread sends a heartbeat (an empty EngineCoreOutputs)
@@ -68,6 +70,7 @@ from asyncengine.process_setup import (
     hard_exit,
     install_signal_handlers,
     load_test_hooks,
+    setup_logging,
     skip_unused_packages,
     start_parent_watch,
 )
@@ -445,6 +448,7 @@ def run_engine_core(
     6. serve until told to stop. Exits 0 on a clean shutdown, non-zero after a failure.
     """
     install_signal_handlers(ignore_sigint=ignore_sigint)
+    setup_logging("engine core")
     _start_parent_watch()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     handshake = make_socket(ctx, handshake_address, zmq.DEALER, bind=False, linger_ms=2000)
@@ -468,7 +472,9 @@ def run_engine_core(
             )
         except Exception as exc:
             reason = describe_exception(exc)
-            logger.error("engine core failed to start: %s", reason)
+            # The client raises it (EngineStartupError, with this reason): a log line here
+            # would say it twice. A debug log has the traceback.
+            logger.debug("engine core failed to start: %s", reason, exc_info=True)
             handshake.send(encoder.encode(HandshakeFailed(error=reason)))
             exit_code = 1
             return

@@ -10,8 +10,12 @@ The parent process of K API server processes and N engine cores (data-parallel r
    client of all N cores, handing each the listening socket;
 4. watch: an API server that dies stops the whole group, and the manager exits non-zero; so
    does the death of every core (a single dead rank is served around by the API servers);
-5. on SIGTERM / SIGINT: SIGTERM to every API server (each drains, up to its shutdown
-   timeout), then stop the cores; exit 0.
+5. on SIGTERM / SIGINT (at any time, start-up included): SIGTERM to every API server (each
+   drains, up to its shutdown timeout), then stop the cores; exit 0. A second signal sends
+   the API servers a second SIGTERM: they abort what is in flight and exit at once.
+
+The API servers and the cores ignore SIGINT: a terminal's Ctrl-C reaches the whole process
+group, and only the manager acts on it, stopping them in order.
 
 The manager's own death stops everything too: its children watch their stdin.
 """
@@ -22,6 +26,7 @@ import logging
 import signal
 import socket
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -74,28 +79,68 @@ class APIServerProcessManager:
         self.cores: list[CoreProcess] = []
         self.servers: list[ChildProcess] = []
         self._stopping = False
+        self._listener: socket.socket | None = None
 
     def run(self) -> int:
         """Serve until a signal (exit status 0) or a death in the group (non-zero)."""
         return anyio.run(self._run)
 
     async def _run(self) -> int:
-        listener = _listen(self.options.host, self.options.port)
+        self._listener = listener = _listen(self.options.host, self.options.port)
         socket_dir = make_private_socket_dir()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        status = 0
+        failure: Exception | None = None
         try:
-            return await self._serve(listener, socket_dir, ctx)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with anyio.create_task_group() as tg:
+                    serving = anyio.CancelScope()
+                    tg.start_soon(self._on_signals, signals, serving)
+                    try:
+                        with serving:
+                            status = await self._serve(listener, socket_dir, ctx)
+                    except Exception as exc:  # a failed start: raised as itself, below
+                        failure = exc
+                    await self._stop_all()  # while a second signal can still hurry it
+                    tg.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+            return status
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._stop_all()
+            await self._stop_all()  # after a failure: the same order
             listener.close()
             ctx.term()
             remove_socket_dir(socket_dir)
             sweep_stale_socket_dirs()
 
+    async def _on_signals(self, signals: AsyncIterator[int], serving: anyio.CancelScope) -> None:
+        """The first signal ends the serving (or the start-up): the API servers drain. The
+        second makes them abort what is left, at once."""
+        count = 0
+        async for signum in signals:
+            count += 1
+            name = signal.Signals(signum).name
+            if count == 1:
+                again = "Ctrl-C" if signum == signal.SIGINT else name
+                if self.servers:
+                    logger.info(
+                        "%s: draining the API servers, for up to %g s (%s again stops at once)",
+                        name,
+                        self.options.shutdown_timeout,
+                        again,
+                    )
+                else:
+                    logger.info("%s during start-up: stopping", name)
+                serving.cancel()
+            else:
+                logger.info("%s again: the API servers abort what is in flight", name)
+                for server in self.servers:
+                    server.terminate()  # their second SIGTERM
+
     async def _serve(
         self, listener: socket.socket, socket_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
     ) -> int:
+        """Start the cores and the API servers, then watch them (see _watch)."""
         size = self.config.parallel_config.data_parallel_size
         outputs = [ipc_address(socket_dir, f"api-output-{i}") for i in range(self.count)]
         self.cores = [
@@ -105,7 +150,6 @@ class APIServerProcessManager:
                 socket_dir,
                 name=f"engine core rank {rank}" if size > 1 else "engine core",
                 startup_timeout=self.startup_timeout,
-                ignore_sigint=True,
             )
             for rank in range(size)
         ]
@@ -135,7 +179,7 @@ class APIServerProcessManager:
             )
             await anyio.to_thread.run_sync(server.start)
             self.servers.append(server)
-        logger.warning(
+        logger.info(
             "serving on %s:%d with %d API server processes and %d engine core(s)",
             self.options.host,
             listener.getsockname()[1],
@@ -145,16 +189,9 @@ class APIServerProcessManager:
         return await self._watch()
 
     async def _watch(self) -> int:
-        """Until a signal (0) or a death that ends the group (1)."""
+        """Until a death that ends the group (1); a signal cancels it."""
         status = 0
         async with anyio.create_task_group() as tg:
-
-            async def on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        logger.info("%s: draining the API servers", signal.Signals(signum).name)
-                        tg.cancel_scope.cancel()
-                        return
 
             async def on_server_death(index: int, server: ChildProcess) -> None:
                 nonlocal status
@@ -178,26 +215,31 @@ class APIServerProcessManager:
                 status = 1
                 tg.cancel_scope.cancel()
 
-            tg.start_soon(on_signal)
             tg.start_soon(on_cores_death)
             for index, server in enumerate(self.servers):
                 tg.start_soon(on_server_death, index, server)
         return status
 
     async def _stop_all(self) -> None:
-        """SIGTERM every API server (each drains), wait for them, then stop the cores."""
+        """SIGTERM every API server (each drains), wait for them, then stop the cores
+        (shielded; once)."""
         if self._stopping:
             return
         self._stopping = True
-        for server in self.servers:
-            server.terminate()
-        timeout = self.options.shutdown_timeout + _STOP_GRACE_S
-        async with anyio.create_task_group() as tg:
+        with anyio.CancelScope(shield=True):
+            # New connections are refused once no process holds the socket: the API servers
+            # close theirs as they start to drain.
+            if self._listener is not None:
+                self._listener.close()
             for server in self.servers:
-                tg.start_soon(_join_or_kill, server, timeout)
-        async with anyio.create_task_group() as tg:
-            for core in self.cores:
-                tg.start_soon(core.stop)
+                server.terminate()
+            timeout = self.options.shutdown_timeout + _STOP_GRACE_S
+            async with anyio.create_task_group() as tg:
+                for server in self.servers:
+                    tg.start_soon(_join_or_kill, server, timeout)
+            async with anyio.create_task_group() as tg:
+                for core in self.cores:
+                    tg.start_soon(core.stop)
 
 
 async def _join_or_kill(proc: ChildProcess, grace_s: float) -> None:

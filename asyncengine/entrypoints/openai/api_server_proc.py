@@ -4,7 +4,8 @@
 APIServerProcessManager with an `APIServerLaunch` on its stdin: the OpenAI app over an
 AsyncLLM that is client `client_index` of engine cores the manager started, serving on the
 listening socket the manager bound and handed down (every API server accepts on it). SIGTERM
-drains it; SIGINT is left to the manager; its parent's death stops it.
+drains it (a second SIGTERM aborts what is left at once); SIGINT is ignored, left to the
+manager (a terminal's Ctrl-C reaches the whole process group); its parent's death stops it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import msgspec
 
 from asyncengine.child_process import read_payload
 from asyncengine.config import EngineConfig
+from asyncengine.process_setup import ignore_sigint_from_now
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class APIServerLaunch(msgspec.Struct, gc=False):
 
 
 def main() -> None:
+    ignore_sigint_from_now()  # first: the process started with SIGINT blocked
     launch = msgspec.msgpack.decode(read_payload(), type=APIServerLaunch)
     _start_parent_watch()
     serve(launch)
@@ -101,7 +104,7 @@ def serve(launch: APIServerLaunch) -> None:
         handle_sigint=False,
     )
     sock = socket.socket(fileno=launch.listen_fd)
-    server.run(sockets=[sock])
+    server.run_owning_engine(sockets=[sock])
 
 
 def _start_parent_watch() -> None:
