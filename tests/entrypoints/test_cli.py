@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 from asyncengine import config as config_module
-from asyncengine.config import EngineConfig
 from asyncengine import default_model
+from asyncengine.config import EngineConfig
 from asyncengine.entrypoints import cli
+
+pytestmark = pytest.mark.timeout(120)
 
 ALL_ENGINE_FLAGS = [
     "--dtype", "bfloat16",
@@ -95,12 +97,21 @@ def test_generate_arguments() -> None:
     assert (args.max_tokens, args.temperature, args.seed, args.chat) == (5, 0.5, 3, True)
     assert args.func is cli.run_generate
     defaults = _parse("generate", "m", "p")
-    assert (defaults.max_tokens, defaults.temperature, defaults.chat) == (128, 1.0, False)
+    assert defaults.chat is False
+    assert cli.GENERATE_DEFAULTS == {"max_tokens": 128}
+
+
+def test_sampling_options_not_given_are_not_set() -> None:
+    # None is "not set": the command (and the model's defaults) decide those.
+    assert cli.sampling_options_from_args(_parse("generate", "m", "p")) == {}
+    args = _parse("generate", "m", "p", "--temperature", "0", "--top-k", "5")
+    assert cli.sampling_options_from_args(args) == {"temperature": 0.0, "top_k": 5}
+    assert cli.sampling_options_from_args(_parse("demo")) == {}
+    assert cli.sampling_options_from_args(_parse("demo", "--max-tokens", "9")) == {"max_tokens": 9}
 
 
 def test_demo_arguments() -> None:
-    assert _parse("demo").max_tokens == 64
-    assert _parse("demo", "--max-tokens", "9").max_tokens == 9
+    assert cli.DEMO_DEFAULTS == {"max_tokens": 64, "temperature": 0.0}
     assert _parse("demo").func is cli.run_demo
 
 
