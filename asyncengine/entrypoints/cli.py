@@ -390,25 +390,30 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`asyncengine generate`: stream one completion to stdout as it is produced."""
+    from asyncengine.client.chat import ChatPrompt, render_chat
     from asyncengine.client.llm_engine import LLMEngine
     from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
     # The sampling options are checked first: a bad one is refused before the model loads.
-    params = SamplingParams(
-        **{**GENERATE_DEFAULTS, **sampling_options_from_args(args)},
-        seed=getattr(args, "seed", None),
-        output_kind=RequestOutputKind.DELTA,
-    )
+    given = sampling_options_from_args(args)
+    extra: dict[str, Any] = {
+        "seed": getattr(args, "seed", None),
+        "output_kind": RequestOutputKind.DELTA,
+    }
+    SamplingParams(**{**GENERATE_DEFAULTS, **given}, **extra)
     model = _resolve_model(args.model)
     engine_kwargs = engine_kwargs_from_args(args)
     _check_before_loading(model, engine_kwargs)
     engine = LLMEngine.from_kwargs(model, **engine_kwargs)
+    # What the user did not set comes from the model's generation_config.json (its sampling
+    # defaults, as for any request), then from the command's own defaults.
+    model_defaults = dict(engine.config.model_config.sampling_defaults)
+    params = SamplingParams(**{**GENERATE_DEFAULTS, **model_defaults, **given}, **extra)
     wrote = False
     try:
-        prompt = args.prompt
+        prompt: str | ChatPrompt = args.prompt
         if args.chat:
-            messages = [{"role": "user", "content": prompt}]
-            prompt = str(engine.tokenizer.apply_chat_template(messages, tokenize=False))
+            prompt = render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
         engine.add_request("cli-generate", prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -433,7 +438,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ImportError(
             f"`asyncengine serve` needs starlette and uvicorn ({exc}): "
-            "pip install 'asyncengine[serve]'"
+            "pip install starlette uvicorn (the `serve` extra: pip install -e '.[serve]' in a "
+            "checkout)"
         ) from None
     from pathlib import Path
 

@@ -169,8 +169,10 @@ class EngineCoreLaunch(msgspec.Struct, gc=False):
 
     config: EngineConfig
     handshake_address: str
-    # Under the API server manager, which stops the cores itself after its API servers have
-    # drained: a terminal's Ctrl-C (SIGINT to the whole group) must not stop them first.
+    # A terminal's Ctrl-C reaches every process of the job: the core leaves it to its owner
+    # (AsyncLLM, `serve`, the API server manager), which drains first and then stops it. The
+    # process launcher sets it (CoreProcess defaults to True); False only where a test wants
+    # the core to act on SIGINT itself.
     ignore_sigint: bool = False
 
 

@@ -237,6 +237,29 @@ def test_generate_chat_applies_the_template(
     assert capsys.readouterr().out.endswith("\n")
 
 
+def test_generate_takes_the_models_sampling_defaults_for_options_not_given(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "greedy-by-default"
+    shutil.copytree(tiny_llama, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0}))
+    outputs = []
+    for seed in ("1", "2"):  # temperature 0 from the file: the seed changes nothing
+        argv = ["generate", str(model), "hello world", "--max-tokens", "8", "--seed", seed,
+                *TINY_ENGINE]  # fmt: skip
+        assert cli.main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    sampled = []
+    for seed in ("1", "2", "3"):  # an option given on the command line wins
+        argv = ["generate", str(model), "hello world", "--max-tokens", "8", "--seed", seed,
+                "--temperature", "1.0", *TINY_ENGINE]  # fmt: skip
+        assert cli.main(argv) == 0
+        sampled.append(capsys.readouterr().out)
+    assert len(set(sampled)) > 1
+
+
 # --- the default model: cache location, conversion bookkeeping --------------------------------
 
 
