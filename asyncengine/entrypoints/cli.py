@@ -417,9 +417,10 @@ def run_generate(args: argparse.Namespace) -> int:
         engine.add_request("cli-generate", prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
+                # Set first: a Ctrl-C landing just after the text is out still ends its line.
+                wrote = wrote or bool(out.outputs[0].text)
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
-                wrote = True
         sys.stdout.write("\n")
     except KeyboardInterrupt:
         if wrote:

@@ -134,6 +134,10 @@ def test_two_api_servers_share_two_cores_and_drain_on_sigterm(
     for raw in results.values():
         events = parse_sse(raw)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # A normal start and drain says nothing at WARNING or above.
+    text = log.read_text()
+    assert "with 2 API server processes" in text
+    assert not [line for line in text.splitlines() if "WARNING" in line or "ERROR" in line], text
 
 
 def test_a_dead_api_server_stops_the_group(chat_model: Path, tmp_path: Path) -> None:
