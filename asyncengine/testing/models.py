@@ -70,21 +70,8 @@ def _ascii_tokenizer(vocab_size: int) -> Any:
 
     Printable ASCII only: a random model then cannot write raw control characters or stray
     UTF-8 bytes, which xgrammar lets through inside JSON strings (docs/structured_outputs.md)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        # GPT-2's byte-to-character map: '!'..'~' map to themselves, the space to 'Ġ'.
-        initial_alphabet=[chr(b) for b in range(33, 127)] + ["\u0120"],
-        limit_alphabet=95,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
-    return _wrap(tokenizer)
+    # GPT-2's byte-to-character map: '!'..'~' map to themselves, the space to 'Ġ'.
+    return _byte_level_bpe(vocab_size, [chr(b) for b in range(33, 127)] + ["\u0120"])
 
 
 def _bytes_tokenizer(vocab_size: int) -> Any:
@@ -92,6 +79,14 @@ def _bytes_tokenizer(vocab_size: int) -> Any:
     characters and the bytes of multi-byte UTF-8 characters included, plus merges learned
     from a little JSON): a random model with it can write any byte sequence, so it finds
     whatever a grammar lets through (raw control characters, surrogates, overlong UTF-8)."""
+    from tokenizers import pre_tokenizers
+
+    return _byte_level_bpe(vocab_size, pre_tokenizers.ByteLevel.alphabet())
+
+
+def _byte_level_bpe(vocab_size: int, alphabet: list[str]) -> Any:
+    """A byte-level BPE tokenizer whose base tokens are `alphabet` (GPT-2's byte-to-character
+    map), with merges learned from a little JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -100,8 +95,8 @@ def _bytes_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        limit_alphabet=256,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_BYTE_CORPUS * 8, trainer)
