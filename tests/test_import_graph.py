@@ -31,8 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.worker",),
     ("asyncengine.model",),
     ("asyncengine.kernels",),
-    # Wire types, shared by the layers above: client ↔ core, scheduler → workers.
-    ("asyncengine.ipc", "asyncengine.sched.output"),
+    # Wire types, shared by the layers above: client ↔ core, scheduler → workers,
+    # executor ↔ worker processes.
+    ("asyncengine.ipc",),
     # The public types and the helpers every layer may use.
     (
         "asyncengine.block_hash",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from asyncengine.ipc.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 FailureCallback = Callable[[], None]
 # Computes a step's grammar bitmask (structured outputs) from the grammars' state, which the

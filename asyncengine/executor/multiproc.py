@@ -24,7 +24,15 @@ import zmq
 
 from asyncengine.child_process import ChildProcess
 from asyncengine.executor.abstract import Executor, GrammarFill
-from asyncengine.executor.messages import (
+from asyncengine.executor.worker_monitor import WorkerMonitor
+from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.ipc.sockets import (
+    ipc_address,
+    make_private_socket_dir,
+    make_socket,
+    remove_socket_dir,
+)
+from asyncengine.ipc.worker_messages import (
     ExecuteModel,
     ExecuteResult,
     FromWorker,
@@ -38,14 +46,6 @@ from asyncengine.executor.messages import (
     WorkerReady,
     from_worker_decoder,
 )
-from asyncengine.executor.worker_monitor import WorkerMonitor
-from asyncengine.ipc.sockets import (
-    ipc_address,
-    make_private_socket_dir,
-    make_socket,
-    remove_socket_dir,
-)
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.abstract import Executor, GrammarFill
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.worker import Worker
 
 

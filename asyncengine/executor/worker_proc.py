@@ -23,7 +23,9 @@ import msgspec
 import zmq
 
 from asyncengine.child_process import read_payload
-from asyncengine.executor.messages import (
+from asyncengine.heap import IDLE_RELEASE_S, release_free_heap
+from asyncengine.ipc.sockets import make_socket
+from asyncengine.ipc.worker_messages import (
     ExecuteModel,
     ExecuteResult,
     InitDistributed,
@@ -37,8 +39,6 @@ from asyncengine.executor.messages import (
     to_worker_decoder,
     worker_launch_decoder,
 )
-from asyncengine.heap import IDLE_RELEASE_S, release_free_heap
-from asyncengine.ipc.sockets import make_socket
 from asyncengine.process_setup import (
     hard_exit,
     install_signal_handlers,

@@ -1,1 +1,2 @@
-"""Wire types and socket helpers between the client and the engine core. Imports no torch."""
+"""Wire types and socket helpers: client ↔ core (messages.py), scheduler → workers
+(scheduler_output.py), executor ↔ worker processes (worker_messages.py). Imports no torch."""

@@ -19,9 +19,7 @@ from asyncengine.ipc.messages import (
     EngineStats,
     FinishReason,
 )
-from asyncengine.request_limits import RequestLimits, check_token_ids
-from asyncengine.sched.kv_cache_manager import KVCacheManager
-from asyncengine.sched.output import (
+from asyncengine.ipc.scheduler_output import (
     INVALID_TOKEN_ID,
     CachedRequestData,
     GrammarBitmask,
@@ -29,6 +27,8 @@ from asyncengine.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from asyncengine.request_limits import RequestLimits, check_token_ids
+from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.request import Request, RequestStatus
 from asyncengine.sched.request_queue import make_request_queue
 from asyncengine.sched.structured_outputs import StructuredOutputManager

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from asyncengine.ipc.scheduler_output import GrammarBitmask
 from asyncengine.kernels.bitmask_cpu import apply_bitmask_cpu
 from asyncengine.kernels.cpu_native import load_native
-from asyncengine.sched.output import GrammarBitmask
 
 
 def apply_grammar_bitmask(

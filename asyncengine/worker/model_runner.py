@@ -17,16 +17,16 @@ import torch
 
 from asyncengine.config import CacheConfig, ModelConfig
 from asyncengine.ipc.messages import LogprobsEntry
-from asyncengine.model.attention import AttentionMetadata, get_backend
-from asyncengine.model.interface import ModelForward, TokenChoice
-from asyncengine.model.loader import load_model_forward
-from asyncengine.sched.output import (
+from asyncengine.ipc.scheduler_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     INVALID_TOKEN_ID,
     GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from asyncengine.model.attention import AttentionMetadata, get_backend
+from asyncengine.model.interface import ModelForward, TokenChoice
+from asyncengine.model.loader import load_model_forward
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput

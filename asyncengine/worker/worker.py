@@ -11,7 +11,7 @@ import torch
 
 from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig
 from asyncengine.heap import release_free_heap
-from asyncengine.sched.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from asyncengine.ipc.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.worker.parallel import TensorParallelGroup
 

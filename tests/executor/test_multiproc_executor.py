@@ -149,7 +149,7 @@ def test_shutdown_stops_every_worker_and_logs_name_the_rank(
 
 
 def test_execute_model_of_an_empty_step(executor: MultiprocExecutor) -> None:
-    from asyncengine.sched.output import SchedulerOutput
+    from asyncengine.ipc.scheduler_output import SchedulerOutput
 
     empty = SchedulerOutput([], [], {}, 0, [])
     assert executor.execute_model(empty).req_ids == []

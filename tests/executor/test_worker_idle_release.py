@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import zmq
 
-from asyncengine.executor.messages import ExecuteModel, ExecuteResult, Shutdown
 from asyncengine.executor.worker_proc import _serve
-from asyncengine.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, SchedulerOutput
+from asyncengine.ipc.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, SchedulerOutput
+from asyncengine.ipc.worker_messages import ExecuteModel, ExecuteResult, Shutdown
 
 pytestmark = pytest.mark.timeout(30)
 

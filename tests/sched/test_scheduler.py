@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.ipc.messages import EngineCoreRequest, EngineStats, FinishReason
+from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.kv_cache_manager import KVCacheManager
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.sched.scheduler import Scheduler
 
 EOS = 0

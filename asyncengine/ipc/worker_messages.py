@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from asyncengine.config import EngineConfig
-from asyncengine.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class WorkerLaunch(msgspec.Struct, gc=False):
