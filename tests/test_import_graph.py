@@ -62,6 +62,13 @@ PRIVATE_TO: dict[str, tuple[str, ...]] = {
 }
 EXEMPT_IMPORTERS = ("asyncengine", "asyncengine.testing")
 
+# Arrows that stay one-way inside a layer: (importer, imported) pairs that never meet. The
+# web-framework integrations build on the entry points' SSE framing (entrypoints/sse.py,
+# sse_response.py), never the other way round.
+NEVER_IMPORTS: list[tuple[str, str]] = [
+    ("asyncengine.entrypoints", "asyncengine.integrations"),
+]
+
 
 def _source_files() -> Iterator[tuple[str, Path]]:
     """(module name, file) for every module; kernels/ is the asyncengine.kernels package
@@ -149,6 +156,18 @@ def test_imports_point_downstream_only() -> None:
                     f"{module}:{line} imports {target}: {dst} is reached only from "
                     f"{', '.join(private)}"
                 )
+    assert not bad, "imports against the documented order:\n" + "\n".join(bad)
+
+
+def test_one_way_arrows_inside_a_layer() -> None:
+    bad = [
+        f"{module}:{line} imports {target}: {importer} never imports {imported}"
+        for importer, imported in NEVER_IMPORTS
+        for module, targets in sorted(_graph().items())
+        if _contains(importer, module)
+        for target, line in sorted(targets.items())
+        if _contains(imported, target)
+    ]
     assert not bad, "imports against the documented order:\n" + "\n".join(bad)
 
 

@@ -11,7 +11,7 @@ framework integrations alike. No web framework is imported here (ASGI is a proto
   run on for a while. `stream_until_disconnect` instead runs a producer coroutine in a task
   group beside a disconnect watcher: a disconnect cancels the producer at once, wherever it
   waits, and its `aclosing` blocks abort the engine requests. `call_until_disconnect` does the
-  same for a non-streaming answer. (`integrations.starlette.SSEResponse` is the Starlette
+  same for a non-streaming answer. (`entrypoints.sse_response.SSEResponse` is the Starlette
   response around it.)
 """
 

@@ -58,7 +58,7 @@ from asyncengine.entrypoints.openai.tool_calls import (
 )
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
-from asyncengine.integrations.starlette import SSEResponse
+from asyncengine.entrypoints.sse_response import SSEResponse
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
