@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 from collections.abc import AsyncGenerator, Mapping
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -121,6 +121,7 @@ class AsyncLLM:
         self._core_client: EngineCoreClient | None = None
         self._given_core_client = core_client
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._exit_stack: AsyncExitStack | None = None  # exits the task group at aclose()
         self._dead_event: anyio.Event | None = None  # set when the core is found dead
 
     @classmethod
@@ -173,9 +174,9 @@ class AsyncLLM:
             request_limits(self._config),
             model_config.sampling_defaults,
         )
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._task_group = tg
+        stack = AsyncExitStack()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        self._exit_stack, self._task_group = stack, tg
         tg.start_soon(self._output_handler, name="AsyncLLM output handler")
         tg.start_soon(self._monitor_core, name="AsyncLLM core monitor")
         return self
@@ -218,10 +219,11 @@ class AsyncLLM:
         self._fail_everything("the engine was closed")
         # 2. Stop the output handler and the monitor.
         tg, self._task_group = self._task_group, None
+        stack, self._exit_stack = self._exit_stack, None
         try:
-            if tg is not None:
+            if tg is not None and stack is not None:
                 tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+                await stack.aclose()
         finally:
             # 3. Stop the core and join its threads and process (shielded).
             await self._core_client.shutdown()
