@@ -113,7 +113,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # which rank this core is (set by the launcher, per rank)
     data_parallel_backend: str = "mp"  # mp: processes here | ray: Ray actors, any node
-    data_parallel_routing: str = "prefix"  # prefix | load | round_robin (client/dp_router.py)
+    data_parallel_routing: str = "prefix"  # prefix | load | round_robin (client/cores/dp_router.py)
     data_parallel_fail_fast: bool = False  # one dead rank kills the engine
     # ray: the placement group's strategy, a rank per node where it can ("spread"), or as
     # few nodes as the ranks fit on ("pack").

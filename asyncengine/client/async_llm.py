@@ -25,13 +25,9 @@ import anyio.lowlevel
 import msgspec
 
 from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
-from asyncengine.client.core_client import (
-    UNRESPONSIVE_AFTER_S,
-    EngineCoreClient,
-    ProcCoreClient,
-    RankDied,
-    ThreadCoreClient,
-)
+from asyncengine.client.cores.client import UNRESPONSIVE_AFTER_S, EngineCoreClient, RankDied
+from asyncengine.client.cores.proc_client import ProcCoreClient
+from asyncengine.client.cores.thread_client import ThreadCoreClient
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
@@ -186,12 +182,7 @@ class AsyncLLM:
             return self._given_core_client
         if self._core_kind == "thread":
             return ThreadCoreClient(self._config)
-        parallel = self._config.parallel_config
-        if parallel.data_parallel_size == 1 and parallel.data_parallel_backend == "mp":
-            return ProcCoreClient(self._config, self._startup_timeout)
-        from asyncengine.client.dp_client import DPCoreClient
-
-        return DPCoreClient(self._config, self._startup_timeout)
+        return ProcCoreClient(self._config, self._startup_timeout)
 
     async def __aexit__(
         self,

@@ -34,12 +34,9 @@ import msgspec
 import zmq
 
 from asyncengine.child_process import ChildProcess
-from asyncengine.client.core_process import (
-    CoreProcess,
-    exit_desc,
-    start_cores,
-    stop_process_tree,
-)
+from asyncengine.client.cores.handle import CoreHandle
+from asyncengine.client.cores.launch import launch_cores, start_cores
+from asyncengine.client.cores.process import ProcessBackend, exit_desc, stop_process_tree
 from asyncengine.config import EngineConfig
 from asyncengine.entrypoints.openai.api_server_proc import (
     APIServerLaunch,
@@ -76,7 +73,7 @@ class APIServerProcessManager:
         self.options = options
         self.count = api_server_count
         self.startup_timeout = startup_timeout
-        self.cores: list[CoreProcess] = []
+        self.cores: list[CoreHandle] = []
         self.servers: list[ChildProcess] = []
         self._stopping = False
         self._listener: socket.socket | None = None
@@ -141,20 +138,10 @@ class APIServerProcessManager:
         self, listener: socket.socket, socket_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
     ) -> int:
         """Start the cores and the API servers, then watch them (see _watch)."""
-        size = self.config.parallel_config.data_parallel_size
         outputs = [ipc_address(socket_dir, f"api-output-{i}") for i in range(self.count)]
-        self.cores = [
-            CoreProcess(
-                ctx,
-                self.config.for_rank(rank),
-                socket_dir,
-                name=f"engine core rank {rank}" if size > 1 else "engine core",
-                startup_timeout=self.startup_timeout,
-            )
-            for rank in range(size)
-        ]
-        for core in self.cores:
-            await core.launch()
+        self.cores = await launch_cores(
+            self.config, ProcessBackend(ctx, socket_dir), startup_timeout=self.startup_timeout
+        )
         await start_cores(self.cores, outputs)
         endpoints = []
         for core in self.cores:
@@ -184,7 +171,7 @@ class APIServerProcessManager:
             self.options.host,
             listener.getsockname()[1],
             self.count,
-            size,
+            len(self.cores),
         )
         return await self._watch()
 

@@ -18,7 +18,7 @@ import zmq
 from async_helpers import ENGINE_KW, wait_until_idle
 
 from asyncengine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(120)
@@ -272,7 +272,7 @@ async def test_malformed_frames_on_the_input_socket_do_not_hurt(engine: AsyncLLM
     assert isinstance(client, ProcCoreClient)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
-    sock.connect(client.core.input_address)
+    sock.connect(client.cores[0].input_address)
     for frames in ([b"\x05", b"junk"], [b"\x00", b"\xc1\xc1"], [b"\x03", b""], [b"x"]):
         sock.send_multipart(frames, zmq.NOBLOCK)
     sock.close(linger=2000)

@@ -21,7 +21,7 @@ import pytest
 from async_helpers import ENGINE_KW, assert_gone, child_pids
 
 from asyncengine import AsyncLLM, EngineDeadError, EngineStartupError, SamplingParams
-from asyncengine.client.dp_client import DPCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineStats
 from asyncengine.testing import fault_injection
@@ -118,7 +118,7 @@ async def test_a_killed_rank_fails_only_its_own_streams(
     before = child_pids()
     async with AsyncLLM.from_pretrained(tiny_llama, **DP_KW) as engine:
         client = engine._core_client
-        assert isinstance(client, DPCoreClient)
+        assert isinstance(client, ProcCoreClient)
         victim = client.cores[1].pid
         assert victim is not None
         errors: list[tuple[int, EngineDeadError, float]] = []
@@ -178,7 +178,7 @@ async def test_fail_fast_makes_one_dead_rank_kill_the_engine(
     ) as engine:
         await engine._call_utility("testing_delay_steps", 0.02)  # every rank: ~5 s a stream
         client = engine._core_client
-        assert isinstance(client, DPCoreClient)
+        assert isinstance(client, ProcCoreClient)
         victim = client.cores[0].pid
         assert victim is not None
         errors: list[EngineDeadError] = []
@@ -208,7 +208,7 @@ async def test_fail_fast_makes_one_dead_rank_kill_the_engine(
 
 async def test_a_rank_that_fails_to_start_stops_the_others(tiny_llama: Path) -> None:
     before = child_pids()
-    client = DPCoreClient(EngineConfig.from_kwargs(tiny_llama, **DP_KW), startup_timeout=60)
+    client = ProcCoreClient(EngineConfig.from_kwargs(tiny_llama, **DP_KW), startup_timeout=60)
     await client.launch()
     pid = client.cores[1].pid
     assert pid is not None

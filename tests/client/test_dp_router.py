@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.client.dp_router import Router
+from asyncengine.client.cores.dp_router import Router
 from asyncengine.ipc.messages import CoreLoad
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,7 @@ import pytest
 from async_helpers import ENGINE_KW, assert_gone, child_pids
 
 from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
-from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.ipc.messages import UtilityCall
 from asyncengine.testing import fault_injection
 from asyncengine.testing.streams import kill_while_streaming

@@ -18,7 +18,7 @@ import pytest
 from async_helpers import ENGINE_KW, assert_gone, child_pids
 
 from asyncengine import LLM, AsyncLLM, SamplingParams
-from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,8 +17,8 @@ import pytest
 from async_helpers import ENGINE_KW
 
 from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
-from asyncengine.client.dp_client import DPCoreClient
-from asyncengine.client.ray_cores import RayCore
+from asyncengine.client.cores.proc_client import ProcCoreClient
+from asyncengine.client.cores.ray_core import RayCore
 
 # tests/conftest.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before anything imports ray:
 # with it every node of the test cluster binds 127.0.0.1, not the machine's interface.
@@ -98,7 +98,7 @@ async def test_ray_ranks_on_two_nodes_equal_outputs_and_leave_nothing(
         tiny_llama, data_parallel_routing="load", **RAY_KW
     ) as engine:
         client = engine._core_client
-        assert isinstance(client, DPCoreClient)
+        assert isinstance(client, ProcCoreClient)
         assert all(isinstance(c, RayCore) and c.input_address.startswith("tcp://127.0.0.1:")
                    for c in client.cores)  # fmt: skip
         nodes = {a["Address"]["NodeID"] for a in _live_engine_actors()}
@@ -116,7 +116,7 @@ async def test_a_killed_ray_actor_fails_only_its_rank(
 ) -> None:
     async with AsyncLLM.from_pretrained(tiny_llama, **RAY_KW) as engine:
         client = engine._core_client
-        assert isinstance(client, DPCoreClient)
+        assert isinstance(client, ProcCoreClient)
         victim = client.cores[1]
         assert isinstance(victim, RayCore)
         errors: list[tuple[EngineDeadError, float]] = []

@@ -12,7 +12,7 @@ import pytest
 from async_helpers import ENGINE_KW
 
 from asyncengine import AsyncLLM, SamplingParams
-from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from asyncengine import AsyncLLM, EngineDeadError, SamplingParams
-from asyncengine.client.core_client import ProcCoreClient
+from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.ipc.messages import UtilityCall
 from asyncengine.testing import fault_injection
 from asyncengine.testing.processes import assert_gone, child_pids

@@ -67,8 +67,8 @@ def main() -> None:
 
 def serve(launch: APIServerLaunch) -> None:
     from asyncengine.client.async_llm import AsyncLLM
-    from asyncengine.client.core_process import RunningCore
-    from asyncengine.client.dp_client import DPCoreClient
+    from asyncengine.client.cores.attached import AttachedCores, RunningCore
+    from asyncengine.client.cores.proc_client import ProcCoreClient
     from asyncengine.entrypoints.openai.app import build_app
     from asyncengine.entrypoints.openai.server import make_server
 
@@ -77,11 +77,10 @@ def serve(launch: APIServerLaunch) -> None:
         RunningCore(f"engine core rank {rank}", c.input_address, c.pid, c.num_kv_blocks)
         for rank, c in enumerate(launch.cores)
     ]
-    client = DPCoreClient(
+    client = ProcCoreClient(
         config,
         startup_timeout=60.0,
-        attach=cores,
-        output_address=launch.output_address,
+        backend=AttachedCores(cores, launch.output_address),
         client_index=launch.client_index,
     )
     engine = AsyncLLM(config, core_client=client)

@@ -19,15 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
-from pathlib import Path
 from typing import Any
 
 import anyio
 import zmq
 
 from asyncengine.child_process import ChildProcess
-from asyncengine.client.core_process import CoreProcess, exit_desc, stop_process_tree
+from asyncengine.client.cores.handle import CoreBackend, CoreHandle
+from asyncengine.client.cores.handshake import Handshake
+from asyncengine.client.cores.process import exit_desc, stop_process_tree
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineStartupError
 from asyncengine.ipc.messages import EngineCoreLaunch
@@ -144,8 +144,8 @@ class RayCluster:
             ray.shutdown()
 
 
-class RayCore(CoreProcess):
-    """One rank's engine core in a Ray actor, through the same handshake as CoreProcess."""
+class RayCore(CoreHandle):
+    """One rank's engine core in a Ray actor, through the same Handshake as a CoreProcess."""
 
     def __init__(
         self,
@@ -156,15 +156,20 @@ class RayCore(CoreProcess):
         name: str,
         startup_timeout: float,
     ) -> None:
-        super().__init__(
+        self.config = config
+        self.name = name
+        self.startup_timeout = startup_timeout
+        self.cluster = cluster
+        # A free port of this host's, and (once launched) of the core's node.
+        self.input_address = "tcp://127.0.0.1:*"
+        self._handshake = Handshake(
             ctx,
-            config,
-            Path("."),
+            f"tcp://{cluster.node_ip}:*",
             name=name,
             startup_timeout=startup_timeout,
-            tcp_host=cluster.node_ip,
+            alive=self._alive,
+            exit_desc=self.exit_desc,
         )
-        self.cluster = cluster
         self.actor: Any = None
         self._pid: int | None = None
         self._wait_ref: Any = None
@@ -177,7 +182,7 @@ class RayCore(CoreProcess):
     async def launch(self) -> None:
         if self.actor is not None:
             return
-        self._deadline = time.monotonic() + self.startup_timeout
+        self._handshake.start_clock()
         await anyio.to_thread.run_sync(self._launch_actor)
 
     def _launch_actor(self) -> None:
@@ -187,11 +192,17 @@ class RayCore(CoreProcess):
         self.actor = self.cluster.make_actor(rank, self.name)
         node_ip = ray.get(self.actor.node_ip.remote(), timeout=self.startup_timeout)
         self.input_address = f"tcp://{node_ip}:*"
-        launch = EngineCoreLaunch(self.config, self._handshake_address)
+        launch = EngineCoreLaunch(self.config, self._handshake.address)
         self._pid = ray.get(
             self.actor.start.remote(MsgpackEncoder().encode(launch)), timeout=_ACTOR_CALL_TIMEOUT_S
         )
         self._wait_ref = self.actor.wait.remote()
+
+    async def wait_ready(self, output_addresses: list[str]) -> None:
+        await self.launch()
+        ready = await self._handshake.run(self.input_address, output_addresses)
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.input_address = ready.input_address or self.input_address
 
     def _alive(self) -> bool:
         return self._wait_ref is not None and not self._ready(0)
@@ -216,7 +227,7 @@ class RayCore(CoreProcess):
 
     async def stop(self, kill: bool = False) -> None:
         with anyio.CancelScope(shield=True):
-            self._handshake.close(linger=0)
+            self._handshake.close()
             if self.actor is not None:
                 await anyio.to_thread.run_sync(self._stop_actor, kill)
 
@@ -231,3 +242,32 @@ class RayCore(CoreProcess):
                 ray.get(actor.stop.remote(), timeout=_ACTOR_CALL_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(actor)
+
+
+class RayBackend(CoreBackend):
+    """Cores as Ray actors' children, placed by one placement group (the ray backend)."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.cluster = RayCluster(config)
+        self._ctx = ctx
+
+    async def open(self, startup_timeout: float) -> None:
+        """Connect to Ray and reserve a bundle per rank."""
+        await anyio.to_thread.run_sync(self.cluster.start, startup_timeout)
+
+    def output_address(self) -> str:
+        return f"tcp://{self.cluster.node_ip}:*"
+
+    def make_core(self, config: EngineConfig, name: str, startup_timeout: float) -> CoreHandle:
+        rank = config.parallel_config.data_parallel_rank
+        # Ray ranks are always named by rank, even alone: the actor is placed by it.
+        return RayCore(
+            self._ctx,
+            config,
+            self.cluster,
+            name=f"engine core rank {rank}",
+            startup_timeout=startup_timeout,
+        )
+
+    async def close(self) -> None:
+        await anyio.to_thread.run_sync(self.cluster.stop)
