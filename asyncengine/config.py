@@ -8,6 +8,8 @@ torch or transformers' model code.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -52,6 +54,36 @@ _GENERATION_SAMPLING_FIELDS = (
 )
 
 
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is invalid: must be one of {', '.join(allowed)}")
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
+
+
+def _check_resolved(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """One of `allowed` (a keyword's choices, 'auto' first) but not 'auto': a built config
+    holds what EngineConfig.from_kwargs resolved it to."""
+    _check_choice(name, value, allowed)
+    if value == "auto":
+        raise ValueError(
+            f"{name}='auto' is unresolved: a built config holds one of {', '.join(allowed[1:])}"
+        )
+
+
+def _check_index(name: str, value: object, size: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < size:
+        raise ValueError(f"{name}={value!r} is invalid: must be in [0, {size})")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be True or False")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the worker needs to load and run the model."""
@@ -73,6 +105,21 @@ class ModelConfig:
     # The model's sampling defaults (generation_config.json): they fill what a request leaves
     # unset, as in vLLM. Pairs, sorted, so that the config stays hashable.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    # The longest context the model was built for (config.json); None: not known.
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        _check_resolved("dtype", self.dtype, _DTYPES)
+        _check_int("max_model_len", self.max_model_len, 1)
+        limit = self.max_position_embeddings
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        _check_int("seed", self.seed, 0)
+        _check_resolved("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +131,21 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
 
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ValueError(
+                f"block_size={self.block_size} is invalid: must be a power of two <= 256"
+            )
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -93,14 +155,22 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str  # fcfs | priority | sjf (sched/request_queue.py)
-    # AsyncLLM refuses a new request (EngineOverloadedError) while this many have produced no
-    # output yet (waiting in the core, or in their prefill).
-    max_queued_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_choice("scheduling_policy", self.policy, _POLICIES)
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     device: str  # resolved: cpu | cuda
+
+    def __post_init__(self) -> None:
+        """ValueError unless the device is a resolved one."""
+        _check_resolved("device", self.device, _DEVICES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +192,31 @@ class ParallelConfig:
     # of every rank on it, at least one each).
     num_threads: int | None = None
 
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        self._check_tensor_parallel()
+        self._check_data_parallel()
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, 1)
+
+    def _check_tensor_parallel(self) -> None:
+        tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        _check_int("tensor_parallel_size", tp, 1)
+        _check_choice("distributed_executor_backend", backend, _EXECUTOR_BACKENDS)
+        if backend == "uni" and tp != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but "
+                f"tensor_parallel_size={tp}: use 'mp' for more than one"
+            )
+
+    def _check_data_parallel(self) -> None:
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_index("data_parallel_rank", self.data_parallel_rank, self.data_parallel_size)
+        _check_choice("data_parallel_backend", self.data_parallel_backend, _DP_BACKENDS)
+        _check_choice("data_parallel_routing", self.data_parallel_routing, _DP_ROUTINGS)
+        _check_choice("data_parallel_placement", self.data_parallel_placement, _DP_PLACEMENTS)
+        _check_bool("data_parallel_fail_fast", self.data_parallel_fail_fast)
+
     @property
     def workers_per_machine(self) -> int:
         """Workers that share this machine's cores (every rank's, with the mp backend)."""
@@ -137,17 +232,109 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """The client's own limits (AsyncLLM; with `serve --api-server-count K`, each of the K
+    API server processes is one client, and they split the limits between them)."""
+
+    # New requests are refused (EngineOverloadedError, HTTP 503) while this many have produced
+    # no output yet (waiting in the core, or in their prefill): the bound of the whole server.
+    max_queued_requests: int = 4096
+    api_server_count: int = 1  # the clients that share the bound (serve --api-server-count)
+    api_server_index: int = 0  # which of them this is
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        _check_int("max_queued_requests", self.max_queued_requests, 1)
+        _check_int("api_server_count", self.api_server_count, 1)
+        _check_index("api_server_index", self.api_server_index, self.api_server_count)
+        if self.max_queued_requests < self.api_server_count:
+            raise ValueError(
+                f"max_queued_requests={self.max_queued_requests} is invalid: must be >= "
+                f"api_server_count ({self.api_server_count}), so that every API server "
+                "admits at least one request"
+            )
+
+    @property
+    def local_max_queued_requests(self) -> int:
+        """This API server's share of max_queued_requests: the K shares differ by at most
+        one and add up to max_queued_requests exactly, so the whole server never holds more."""
+        share, rest = divmod(self.max_queued_requests, self.api_server_count)
+        return share + (1 if self.api_server_index < rest else 0)
+
+    def describe_queue_bound(self) -> str:
+        """The bound, as an overload error names it."""
+        bound = f"max_queued_requests={self.max_queued_requests}"
+        if self.api_server_count == 1:
+            return bound
+        return (
+            f"{bound} over {self.api_server_count} API servers: "
+            f"{self.local_max_queued_requests} in this one"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Every engine setting; each component receives only its own part."""
+    """Every engine setting; each component receives only its own part.
+
+    Each part checks its own fields when it is built; this checks how they combine."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
+    frontend_config: FrontendConfig = FrontendConfig()
     # A step (or a tensor-parallel collective) that runs longer is a hang: the engine dies
     # loudly instead of waiting forever. Also how long a silent core process is given.
     step_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        """ValueError naming the fields that can't go together."""
+        timeout = self.step_timeout
+        if (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(f"step_timeout={timeout!r} is invalid: must be seconds > 0")
+        object.__setattr__(self, "step_timeout", float(timeout))  # frozen: set once, here
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        mc, device = self.model_config, self.device_config.device
+        if mc.attention_backend == "cpu" and device != "cpu":
+            raise ValueError(
+                f"attention_backend='cpu' runs on CPU devices only, not {device!r}: "
+                "choose 'auto', 'torch' or 'triton'"
+            )
+        if self.scheduler_config.max_model_len != mc.max_model_len:
+            raise ValueError(
+                f"the scheduler's max_model_len ({self.scheduler_config.max_model_len}) "
+                f"differs from the model's ({mc.max_model_len})"
+            )
+        _check_tensor_parallel(
+            self.parallel_config.tensor_parallel_size,
+            mc.num_attention_heads,
+            mc.num_kv_heads,
+            mc.intermediate_size,
+        )
+
+    def check_core_kind(self, core: str) -> None:
+        """ValueError when the engine core can't run as `core`: "process" (AsyncLLM's
+        default), "thread" (AsyncLLM, in this process) or "inline" (LLMEngine: in the
+        caller's thread, behind the offline LLM)."""
+        dp = self.parallel_config.data_parallel_size
+        if dp == 1:
+            return
+        if core == "thread":
+            raise ValueError(
+                f"data_parallel_size={dp} needs core='process': ranks are processes (or Ray actors)"
+            )
+        if core == "inline":
+            raise ValueError(
+                f"data_parallel_size={dp}: the offline LLM runs one engine core in this "
+                "process; use AsyncLLM or `asyncengine serve` for data parallel"
+            )
 
     @classmethod
     def from_kwargs(
@@ -177,108 +364,28 @@ class EngineConfig:
         data_parallel_placement: str = "spread",
         num_threads: int | None = None,
         generation_config: str = "auto",
+        **unknown: Any,
     ) -> EngineConfig:
-        """Validate the keywords and read the model's config; raises ValueError naming the field."""
+        """The config of the keywords of `LLM(...)` / `AsyncLLM.from_pretrained(...)`.
+
+        Resolves what the keywords leave open ('auto' dtype and device, defaults that depend
+        on the model, read from its config.json) and maps them onto the sub-configs, which
+        check themselves: ValueError naming the field; TypeError for an unknown keyword."""
+        _refuse_unknown_keywords(unknown)
         model_dir = resolve_model(model)
         hf = _read_hf_config(model_dir)
         generation = _read_generation_config(model_dir, generation_config)
-        _check_choice("dtype", dtype, _DTYPES)
-        _check_choice("device", device, _DEVICES)
-        _check_choice("scheduling_policy", scheduling_policy, _POLICIES)
-        resolved_device = _resolve_device(device)
-        for name, value, low in (
-            ("block_size", block_size, 1),
-            ("max_num_seqs", max_num_seqs, 1),
-            ("max_queued_requests", max_queued_requests, 1),
-        ):
-            _check_int(name, value, low)
-        if max_num_batched_tokens is not None:  # else the default, from the model's shapes
-            _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if block_size & (block_size - 1) or block_size > 256:
-            raise ValueError(f"block_size={block_size} is invalid: must be a power of two <= 256")
-        if num_kv_blocks is not None:
-            _check_int("num_kv_blocks", num_kv_blocks, 1)
-        if kv_cache_memory_bytes is not None:
-            _check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
-        if num_kv_blocks is not None and kv_cache_memory_bytes is not None:
-            raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
-        if resolved_device == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
+        device_config = DeviceConfig(device=_resolve_device(device))
+        on = device_config.device
+        model_config = _model_config(
+            model_dir, hf, generation, generation_config,
+            dtype=dtype, device=on, max_model_len=max_model_len, seed=seed,
+            attention_backend=attention_backend,
+        )  # fmt: skip
+        if on == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False"
-            )
-        _check_int("seed", seed, 0)
-        if (
-            not isinstance(step_timeout, (int, float))
-            or isinstance(step_timeout, bool)
-            or not 0 < step_timeout < float("inf")
-        ):
-            raise ValueError(f"step_timeout={step_timeout!r} is invalid: must be seconds > 0")
-        _check_choice("attention_backend", attention_backend, _ATTENTION_BACKENDS)
-        if attention_backend == "cpu" and resolved_device != "cpu":
-            raise ValueError(
-                f"attention_backend='cpu' runs on CPU devices only, not {resolved_device!r}: "
-                "choose 'auto', 'torch' or 'triton'"
-            )
-        _check_int("tensor_parallel_size", tensor_parallel_size, 1)
         if distributed_executor_backend is None:
             distributed_executor_backend = "uni" if tensor_parallel_size == 1 else "mp"
-        _check_choice(
-            "distributed_executor_backend", distributed_executor_backend, _EXECUTOR_BACKENDS
-        )
-        if distributed_executor_backend == "uni" and tensor_parallel_size != 1:
-            raise ValueError(
-                f"distributed_executor_backend='uni' runs one worker, but "
-                f"tensor_parallel_size={tensor_parallel_size}: use 'mp' for more than one"
-            )
-
-        _check_int("data_parallel_size", data_parallel_size, 1)
-        _check_choice("data_parallel_backend", data_parallel_backend, _DP_BACKENDS)
-        _check_choice("data_parallel_routing", data_parallel_routing, _DP_ROUTINGS)
-        _check_choice("data_parallel_placement", data_parallel_placement, _DP_PLACEMENTS)
-        if not isinstance(data_parallel_fail_fast, bool):
-            raise ValueError(
-                f"data_parallel_fail_fast={data_parallel_fail_fast!r}: must be True or False"
-            )
-        if num_threads is not None:
-            _check_int("num_threads", num_threads, 1)
-
-        model_len_limit = _model_len_limit(hf)
-        if max_model_len is None:
-            max_model_len = model_len_limit
-        else:
-            _check_int("max_model_len", max_model_len, 1)
-            if max_model_len > model_len_limit:
-                raise ValueError(
-                    f"max_model_len={max_model_len} is larger than the model's "
-                    f"max_position_embeddings ({model_len_limit})"
-                )
-
-        num_heads = int(hf["num_attention_heads"])
-        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
-        intermediate = hf.get("intermediate_size")
-        intermediate_size = int(intermediate) if isinstance(intermediate, int) else None
-        _check_tensor_parallel(tensor_parallel_size, num_heads, num_kv_heads, intermediate_size)
-        model_config = ModelConfig(
-            model=str(model_dir),
-            architecture=_architecture(hf, model_dir),
-            dtype=_resolve_dtype(dtype, hf, resolved_device),
-            max_model_len=max_model_len,
-            vocab_size=int(hf["vocab_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-            hidden_size=int(hf["hidden_size"]),
-            eos_token_ids=_eos_token_ids(hf, generation),
-            seed=seed,
-            intermediate_size=intermediate_size,
-            attention_backend=_resolve_attention_backend(attention_backend, resolved_device),
-            sampling_defaults=_sampling_defaults(generation, generation_config),
-        )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = _default_batched_tokens(resolved_device, model_config)
         return cls(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -289,12 +396,15 @@ class EngineConfig:
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
+                max_num_batched_tokens=(
+                    _default_batched_tokens(on, model_config)
+                    if max_num_batched_tokens is None
+                    else max_num_batched_tokens
+                ),
+                max_model_len=model_config.max_model_len,
                 policy=scheduling_policy,
-                max_queued_requests=max_queued_requests,
             ),
-            device_config=DeviceConfig(device=resolved_device),
+            device_config=device_config,
             parallel_config=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,
@@ -305,7 +415,8 @@ class EngineConfig:
                 data_parallel_placement=data_parallel_placement,
                 num_threads=num_threads,
             ),
-            step_timeout=float(step_timeout),
+            frontend_config=FrontendConfig(max_queued_requests=max_queued_requests),
+            step_timeout=step_timeout,
         )
 
     def for_rank(self, rank: int) -> EngineConfig:
@@ -314,11 +425,78 @@ class EngineConfig:
             self, parallel_config=dataclasses.replace(self.parallel_config, data_parallel_rank=rank)
         )
 
+    def for_api_server(self, index: int, count: int) -> EngineConfig:
+        """The config of API server `index` of `count` (`serve --api-server-count`): its
+        front-end admits its share of the server's limits (FrontendConfig)."""
+        frontend = dataclasses.replace(
+            self.frontend_config, api_server_count=count, api_server_index=index
+        )
+        return dataclasses.replace(self, frontend_config=frontend)
+
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A copy with cache settings changed (the core fixes num_kv_blocks after profiling)."""
+        if changes.get("num_kv_blocks") is not None:
+            # The byte budget is spent: the block count it bought replaces it.
+            changes.setdefault("kv_cache_memory_bytes", None)
         return dataclasses.replace(
             self, cache_config=dataclasses.replace(self.cache_config, **changes)
         )
+
+
+# The keywords `EngineConfig.from_kwargs` (so `LLM(...)`, `AsyncLLM.from_pretrained(...)`) takes.
+ENGINE_KEYWORDS: tuple[str, ...] = tuple(
+    name
+    for name, param in inspect.signature(EngineConfig.from_kwargs).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def _refuse_unknown_keywords(unknown: dict[str, Any]) -> None:
+    """TypeError naming the first unknown keyword, and the accepted one it is closest to."""
+    if not unknown:
+        return
+    name = next(iter(unknown))
+    close = difflib.get_close_matches(name, ENGINE_KEYWORDS, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(ENGINE_KEYWORDS)}"
+    raise TypeError(
+        f"LLM() / AsyncLLM.from_pretrained() got an unexpected keyword {name!r}: {hint}"
+    )
+
+
+def _model_config(
+    model_dir: Path,
+    hf: dict[str, Any],
+    generation: dict[str, Any],
+    generation_source: str,
+    *,
+    dtype: str,
+    device: str,
+    max_model_len: int | None,
+    seed: int,
+    attention_backend: str,
+) -> ModelConfig:
+    """The model's shapes from its config.json, with the keywords' 'auto' values resolved."""
+    model_len_limit = _model_len_limit(hf)
+    num_heads = int(hf["num_attention_heads"])
+    intermediate = hf.get("intermediate_size")
+    return ModelConfig(
+        model=str(model_dir),
+        architecture=_architecture(hf, model_dir),
+        dtype=_resolve_dtype(dtype, hf, device),
+        max_model_len=model_len_limit if max_model_len is None else max_model_len,
+        vocab_size=int(hf["vocab_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        hidden_size=int(hf["hidden_size"]),
+        eos_token_ids=_eos_token_ids(hf, generation),
+        seed=seed,
+        intermediate_size=int(intermediate) if isinstance(intermediate, int) else None,
+        attention_backend=_resolve_attention_backend(attention_backend, device),
+        sampling_defaults=_sampling_defaults(generation, generation_source),
+        max_position_embeddings=model_len_limit,
+    )
 
 
 def _default_batched_tokens(device: str, mc: ModelConfig) -> int:
@@ -340,16 +518,6 @@ def _layer_weights(mc: ModelConfig) -> int:
     intermediate = mc.intermediate_size or 4 * hidden
     attention = 2 * hidden * head_dim * (mc.num_attention_heads + mc.num_kv_heads)
     return mc.num_layers * (attention + 3 * hidden * intermediate)
-
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is invalid: must be one of {', '.join(allowed)}")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {low}")
 
 
 def _check_tensor_parallel(

@@ -101,11 +101,7 @@ class AsyncLLM:
             raise ValueError(f"core={core!r} is invalid: must be one of {', '.join(CORE_KINDS)}")
         if not startup_timeout > 0:
             raise ValueError(f"startup_timeout={startup_timeout!r} is invalid: must be > 0")
-        if core == "thread" and config.parallel_config.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size={config.parallel_config.data_parallel_size} needs "
-                "core='process': ranks are processes (or Ray actors)"
-            )
+        config.check_core_kind(core)
         self._config = config
         self._core_kind = core
         self._startup_timeout = float(startup_timeout)
@@ -296,11 +292,11 @@ class AsyncLLM:
         assert ip is not None and op is not None and client is not None
         if request_id is not None and request_id in op.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        limit = self._config.scheduler_config.max_queued_requests
-        if op.num_queued >= limit:
+        frontend = self._config.frontend_config
+        if op.num_queued >= frontend.local_max_queued_requests:
             raise EngineOverloadedError(
                 f"{op.num_queued} requests already wait for their first output "
-                f"(max_queued_requests={limit}): retry later"
+                f"({frontend.describe_queue_bound()}): retry later"
             )
         # Every check happens here (the core would refuse too, but asynchronously).
         request = ip.process(prompt, params, request_id=request_id, priority=priority)

@@ -23,12 +23,7 @@ class LLMEngine:
         # The core pulls in torch; the rest of client/ must not, so import it here.
         from asyncengine.core.engine_core import EngineCore, import_model_code
 
-        dp = config.parallel_config.data_parallel_size
-        if dp != 1:
-            raise ValueError(
-                f"data_parallel_size={dp}: the offline LLM runs one engine core in this "
-                "process; use AsyncLLM or `asyncengine serve` for data parallel"
-            )
+        config.check_core_kind("inline")
         self.tokenizer = Tokenizer(config.model_config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         import_model_code(config, owns_process=False)

@@ -72,6 +72,11 @@ class APIServerProcessManager:
         self.config = config
         self.options = options
         self.count = api_server_count
+        # Each API server admits its share of the server's limits (max_queued_requests): built
+        # here, so that a bound too small to share fails before anything starts.
+        self.server_configs = [
+            config.for_api_server(index, api_server_count) for index in range(api_server_count)
+        ]
         self.startup_timeout = startup_timeout
         self.cores: list[CoreHandle] = []
         self.servers: list[ChildProcess] = []
@@ -150,7 +155,7 @@ class APIServerProcessManager:
         metrics_dir = tempfile.mkdtemp(prefix="metrics-", dir=socket_dir)
         for index in range(self.count):
             launch = APIServerLaunch(
-                self.config,
+                self.server_configs[index],
                 index,
                 outputs[index],
                 endpoints,

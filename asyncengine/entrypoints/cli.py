@@ -60,7 +60,8 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                       "(default: fcfs)")),
     ("--max-queued-requests", dict(dest="max_queued_requests", type=int, metavar="N",
                                    help="requests that may wait for their first output before "
-                                        "new ones are refused (503 when serving; "
+                                        "new ones are refused (503 when serving; the "
+                                        "whole server's, shared by its API servers; "
                                         "default: 4096)")),
     ("--step-timeout", dict(dest="step_timeout", type=float, metavar="S",
                             help="a model step longer than this is a hang: the engine dies "

@@ -13,6 +13,7 @@ import pytest
 from async_helpers import ENGINE_KW, assert_gone, child_pids, wait_until_idle
 
 from asyncengine import AsyncLLM, EngineDrainingError, EngineOverloadedError, SamplingParams
+from asyncengine.config import EngineConfig
 from asyncengine.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,6 +82,30 @@ async def test_the_overflow_is_refused_at_once_and_the_rest_complete(engine: Asy
     assert all(f.outputs[0].finish_reason == "length" for f in finals)
     # Once the queue has room again, requests are admitted.
     assert (await _final(engine, "again", SHORT)).finished
+
+
+async def test_one_of_several_api_servers_admits_its_share(tiny_llama: Path) -> None:
+    """`serve --api-server-count 2`: each API server's AsyncLLM admits half the server's
+    bound, so that the two together hold at most max_queued_requests."""
+    before = child_pids()
+    kw = {**ENGINE_KW, "max_num_seqs": 1, "max_queued_requests": LIMIT}
+    config = EngineConfig.from_kwargs(tiny_llama, **kw).for_api_server(1, 2)
+    finals: list[RequestOutput] = []
+    refused: list[EngineOverloadedError] = []
+
+    async def one(i: int) -> None:
+        try:
+            finals.append(await _final(engine, f"hello {i}", SHORT))
+        except EngineOverloadedError as exc:
+            refused.append(exc)
+
+    async with AsyncLLM(config) as engine:
+        async with anyio.create_task_group() as tg:
+            for i in range(LIMIT):
+                tg.start_soon(one, i)
+        assert len(finals) == len(refused) == LIMIT // 2
+        assert "max_queued_requests=4 over 2 API servers: 2 in this one" in str(refused[0])
+    assert_gone(child_pids() - before)
 
 
 async def test_drain_lets_streams_in_flight_finish_and_refuses_new_ones(
