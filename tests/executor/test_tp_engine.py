@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
@@ -25,8 +26,11 @@ TP_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, tensor_paral
 LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
 
-def _socket_dirs() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("asyncengine-")}
+def _socket_dirs(pids: Iterable[int]) -> set[str]:
+    """The socket directories that the processes `pids` made (named asyncengine-PID-...): a
+    test looks only at its own, not at those of other runs on the machine."""
+    prefixes = tuple(f"asyncengine-{pid}-" for pid in pids)
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefixes)}
 
 
 def _worker_pids(engine: AsyncLLM) -> list[int]:
@@ -75,12 +79,13 @@ async def test_an_exception_in_a_worker_reaches_the_client(
 
 async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
     before = child_pids()
-    dirs_before = _socket_dirs()
+    dirs_before = _socket_dirs([os.getpid()])
     async with AsyncLLM.from_pretrained(tiny_llama, **TP_KW) as engine:
         workers = _worker_pids(engine)
         client = engine._core_client
         assert isinstance(client, ProcCoreClient) and client.proc is not None
         assert client.proc.pid is not None
+        ours = [os.getpid(), client.proc.pid, *workers]
         os.kill(client.proc.pid, signal.SIGKILL)
         # No orphans: each worker watches its parent and exits when it dies.
         assert_gone(set(workers), timeout=5.0)
@@ -89,7 +94,7 @@ async def test_workers_die_with_the_engine_core(tiny_llama: Path) -> None:
                 pass
     assert_gone(child_pids() - before)
     # Neither the client's socket directory nor the killed core's executor's is left.
-    assert not _socket_dirs() - dirs_before, _socket_dirs() - dirs_before
+    assert not _socket_dirs(ours) - dirs_before, _socket_dirs(ours) - dirs_before
 
 
 async def test_two_tp_engines_side_by_side(tiny_llama: Path) -> None:
@@ -138,7 +143,6 @@ def test_ctrl_c_of_a_tp_app_leaves_no_process_or_socket_dir(
 
     script = tmp_path / "app.py"
     script.write_text(_CTRL_C_PROGRAM.format(model=str(tiny_llama)))
-    dirs_before = _socket_dirs()
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
@@ -157,4 +161,4 @@ def test_ctrl_c_of_a_tp_app_leaves_no_process_or_socket_dir(
         assert proc.stdout is not None
         proc.stdout.close()
     assert_gone(set(tree), timeout=10.0)
-    assert not _socket_dirs() - dirs_before, _socket_dirs() - dirs_before
+    assert not _socket_dirs(tree), _socket_dirs(tree)  # the app's processes are all new
