@@ -602,7 +602,11 @@ class AsyncLLM:
                         self._fail_rank(outputs)
                         continue
                     if outputs.engine_dead is not None:
-                        self._set_dead(f"the engine core died: {outputs.engine_dead}")
+                        reason = outputs.engine_dead
+                        # The client's own report of a core's exit already says it died.
+                        if " died" not in reason:
+                            reason = f"the engine core died: {reason}"
+                        self._set_dead(reason)
                         return
                     if outputs.utility_output is not None:
                         self._resolve_utility(outputs.utility_output)
