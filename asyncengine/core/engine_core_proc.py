@@ -487,6 +487,9 @@ def run_engine_core(
     except BaseException:
         exit_code = 1
     finally:
+        # This is the shutdown a SIGTERM asks for: another one (the client stops a core that
+        # failed to start as soon as it says so) must not cut it short and skip hard_exit.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if engine_core is not None:
             engine_core.shutdown()
         handshake.close()

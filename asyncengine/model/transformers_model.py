@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,16 +86,37 @@ def load_hf_model(model_config: ModelConfig, device: torch.device) -> torch.nn.M
     attention.register()
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     dtype = getattr(torch, model_config.dtype)
-    model = cls.from_pretrained(  # type: ignore[attr-defined]
-        model_config.model,
-        dtype=dtype,
-        attn_implementation=attention.ATTN_IMPLEMENTATION,
-        device_map=None,
-    )
+    # Its load report (missing or unexpected weights) is a warning; a missing weight is our
+    # error below, said once, in one line.
+    verbosity = hf_logging.get_verbosity()  # type: ignore[no-untyped-call]
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        model, info = cls.from_pretrained(  # type: ignore[attr-defined]
+            model_config.model,
+            dtype=dtype,
+            attn_implementation=attention.ATTN_IMPLEMENTATION,
+            device_map=None,
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)  # type: ignore[no-untyped-call]
+    _check_loaded(model_config.model, info)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model  # type: ignore[no-any-return]
+
+
+def _check_loaded(folder: str, info: dict[str, Any]) -> None:
+    """A weight the checkpoint lacks would be left at its random initial value (transformers
+    only prints a load report): refuse the checkpoint instead, naming what is missing."""
+    missing = sorted(str(name) for name in info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(
+            f"{folder}: the checkpoint lacks {len(missing)} of the model's weights ({shown}); "
+            "copy or download it again"
+        )
 
 
 def hide_checkout_kernels() -> None:

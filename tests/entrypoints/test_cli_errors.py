@@ -69,6 +69,21 @@ def test_a_truncated_checkpoint_names_the_file(
 
 
 @BOTH
+def test_a_checkpoint_missing_a_weight_is_refused_not_run_at_random(
+    command: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    proc = run_cli(*command_line(command, model, "--device", "cpu"))
+    assert_one_line_error(proc, "lacks 1 of the model's weights", "mlp.up_proj")
+
+
+@BOTH
 def test_a_missing_folder_or_config_is_one_line(
     command: str, tiny_llama: Path, tmp_path: Path
 ) -> None:
