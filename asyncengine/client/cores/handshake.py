@@ -15,6 +15,7 @@ import anyio
 import msgspec
 import zmq
 
+from asyncengine.client.cores.handle import CoreHandle
 from asyncengine.errors import EngineStartupError
 from asyncengine.ipc.messages import (
     HandshakeAddresses,
@@ -117,3 +118,16 @@ def socket_fd(sock: zmq.Socket[bytes]) -> int:
 def readable(sock: zmq.Socket[bytes]) -> bool:
     # Reading EVENTS also re-arms the FD's edge: check it before waiting again.
     return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+class HandshakeCore(CoreHandle):
+    """A core that this client launches and meets through a `Handshake` (a process of its
+    own, or a Ray actor's): both get ready the same way."""
+
+    _handshake: Handshake
+
+    async def wait_ready(self, output_addresses: list[str]) -> None:
+        await self.launch()
+        ready = await self._handshake.run(self.input_address, output_addresses)
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.input_address = ready.input_address or self.input_address

@@ -18,7 +18,7 @@ import zmq
 
 from asyncengine.child_process import ChildProcess
 from asyncengine.client.cores.handle import CoreBackend, CoreHandle
-from asyncengine.client.cores.handshake import Handshake
+from asyncengine.client.cores.handshake import Handshake, HandshakeCore
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreLaunch
 from asyncengine.ipc.serial import MsgpackEncoder
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_JOIN_S = 5.0  # terminate → join this long → kill
 
 
-class CoreProcess(CoreHandle):
+class CoreProcess(HandshakeCore):
     """One engine core's process (a child of this one) and its start-up handshake.
 
     The core ignores SIGINT (`ignore_sigint`): a terminal's Ctrl-C reaches the whole process
@@ -78,12 +78,6 @@ class CoreProcess(CoreHandle):
         )
         self.proc = proc
         await anyio.to_thread.run_sync(proc.start)
-
-    async def wait_ready(self, output_addresses: list[str]) -> None:
-        await self.launch()
-        ready = await self._handshake.run(self.input_address, output_addresses)
-        self.num_kv_blocks = ready.num_kv_blocks
-        self.input_address = ready.input_address or self.input_address
 
     def _alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()

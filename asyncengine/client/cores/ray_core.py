@@ -26,7 +26,7 @@ import zmq
 
 from asyncengine.child_process import ChildProcess
 from asyncengine.client.cores.handle import CoreBackend, CoreHandle
-from asyncengine.client.cores.handshake import Handshake
+from asyncengine.client.cores.handshake import Handshake, HandshakeCore
 from asyncengine.client.cores.process import exit_desc, stop_process_tree
 from asyncengine.config import EngineConfig
 from asyncengine.errors import EngineStartupError
@@ -144,7 +144,7 @@ class RayCluster:
             ray.shutdown()
 
 
-class RayCore(CoreHandle):
+class RayCore(HandshakeCore):
     """One rank's engine core in a Ray actor, through the same Handshake as a CoreProcess."""
 
     def __init__(
@@ -197,12 +197,6 @@ class RayCore(CoreHandle):
             self.actor.start.remote(MsgpackEncoder().encode(launch)), timeout=_ACTOR_CALL_TIMEOUT_S
         )
         self._wait_ref = self.actor.wait.remote()
-
-    async def wait_ready(self, output_addresses: list[str]) -> None:
-        await self.launch()
-        ready = await self._handshake.run(self.input_address, output_addresses)
-        self.num_kv_blocks = ready.num_kv_blocks
-        self.input_address = ready.input_address or self.input_address
 
     def _alive(self) -> bool:
         return self._wait_ref is not None and not self._ready(0)
