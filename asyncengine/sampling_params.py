@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json as _json
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -288,3 +289,10 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
                     "must be None or a StructuredOutputsParams",
                 )
             self.structured_outputs.validate()
+
+
+def default_sampling_params(defaults: Iterable[tuple[str, float | int]]) -> SamplingParams:
+    """A SamplingParams holding a model's sampling defaults (`ModelConfig.sampling_defaults`,
+    from its generation_config.json); SamplingParams' own defaults for the fields they leave
+    out."""
+    return SamplingParams(**dict(defaults))  # type: ignore[arg-type]

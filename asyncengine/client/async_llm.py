@@ -42,7 +42,7 @@ from asyncengine.ipc.messages import (
     UtilityResult,
 )
 from asyncengine.outputs import EngineHealth, RankHealth, RequestOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams, default_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -554,7 +554,7 @@ class AsyncLLM:
         (its generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty,
         max_new_tokens), SamplingParams' own for the rest. Start from it to change one field
         and keep the model's other defaults (`msgspec.structs.replace(p, max_tokens=64)`)."""
-        return SamplingParams(**dict(self._config.model_config.sampling_defaults))  # type: ignore[arg-type]
+        return default_sampling_params(self._config.model_config.sampling_defaults)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -603,8 +603,9 @@ class AsyncLLM:
                         continue
                     if outputs.engine_dead is not None:
                         reason = outputs.engine_dead
-                        # The client's own report of a core's exit already says it died.
-                        if " died" not in reason:
+                        # The core reports the error that killed it; the client's own watch
+                        # reports an exit or a silence, naming the core first (as dp_ranks).
+                        if not reason.startswith("engine core"):
                             reason = f"the engine core died: {reason}"
                         self._set_dead(reason)
                         return

@@ -21,7 +21,11 @@ from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.messages import EngineCoreRequest
 from asyncengine.request_limits import RequestLimits, check_token_ids
-from asyncengine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from asyncengine.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    SamplingParams,
+    default_sampling_params,
+)
 
 Prompt = str | Sequence[int]
 
@@ -51,12 +55,12 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limits = limits
-        self.sampling_defaults = dict(sampling_defaults)
+        self.sampling_defaults = tuple(sampling_defaults)
 
     def default_params(self) -> SamplingParams:
         """A new SamplingParams holding the model's sampling defaults (generation_config.json);
         the fields it does not name keep SamplingParams' own defaults."""
-        return SamplingParams(**self.sampling_defaults)  # type: ignore[arg-type]
+        return default_sampling_params(self.sampling_defaults)
 
     def tokenize(self, prompt: Prompt | ChatPrompt) -> tuple[str | None, list[int]]:
         """The prompt's text (if given as text) and its token ids, validated."""
