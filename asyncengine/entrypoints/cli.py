@@ -335,14 +335,11 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def _resolve_model(model: str) -> str:
-    """`default` (unless a folder of that name exists): the embedded default model."""
-    from pathlib import Path
+    """The model folder `model` names: `default` (unless a folder of that name exists) is
+    the embedded default model, converted on first use in a child process."""
+    from asyncengine.default_model import resolve_model
 
-    if model == "default" and not Path(model).is_dir():
-        from asyncengine.default_model import default_model_dir
-
-        return str(default_model_dir())
-    return model
+    return str(resolve_model(model))
 
 
 def _check_before_loading(model: str, engine_kwargs: dict[str, Any]) -> None:

@@ -218,7 +218,7 @@ def tiny_chat_model(tiny_llama: Path, tmp_path: Path) -> Path:
 def test_demo_answers_every_question_and_reports_speed(
     tiny_chat_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(default_model, "default_model_dir", lambda: tiny_chat_model)
+    monkeypatch.setattr(default_model, "default_model_dir", lambda **_: tiny_chat_model)
     assert cli.main(["demo", "--max-tokens", "6", *TINY_ENGINE]) == 0
     out = capsys.readouterr().out
     for question in cli.DEMO_QUESTIONS:
