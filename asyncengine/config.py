@@ -107,6 +107,8 @@ class ModelConfig:
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     # The longest context the model was built for (config.json); None: not known.
     max_position_embeddings: int | None = None
+    # CUDA: run every step eagerly, capturing no CUDA graphs for decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the field whose value this config can't hold."""
@@ -120,6 +122,7 @@ class ModelConfig:
             )
         _check_int("seed", self.seed, 0)
         _check_resolved("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
+        _check_bool("enforce_eager", self.enforce_eager)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +133,20 @@ class CacheConfig:
     num_kv_blocks: int | None  # None: derive from kv_cache_memory_bytes / free memory
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
+    # On CUDA without kv_cache_memory_bytes / num_kv_blocks: the share of the card's total
+    # memory this engine may use in all (weights, activations at the largest step, KV cache);
+    # the KV cache gets what is left of it after a profiling forward (worker/gpu_memory.py).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         """ValueError naming the field whose value this config can't hold."""
         _check_int("block_size", self.block_size, 1)
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={gmu!r} is invalid: must be a fraction of the GPU's "
+                "memory, greater than 0 and at most 1"
+            )
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(
                 f"block_size={self.block_size} is invalid: must be a power of two <= 256"
@@ -364,6 +377,8 @@ class EngineConfig:
         data_parallel_placement: str = "spread",
         num_threads: int | None = None,
         generation_config: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
         **unknown: Any,
     ) -> EngineConfig:
         """The config of the keywords of `LLM(...)` / `AsyncLLM.from_pretrained(...)`.
@@ -380,7 +395,7 @@ class EngineConfig:
         model_config = _model_config(
             model_dir, hf, generation, generation_config,
             dtype=dtype, device=on, max_model_len=max_model_len, seed=seed,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
         )  # fmt: skip
         if on == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
@@ -393,6 +408,7 @@ class EngineConfig:
                 num_kv_blocks=num_kv_blocks,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -474,6 +490,7 @@ def _model_config(
     max_model_len: int | None,
     seed: int,
     attention_backend: str,
+    enforce_eager: bool = False,
 ) -> ModelConfig:
     """The model's shapes from its config.json, with the keywords' 'auto' values resolved."""
     model_len_limit = _model_len_limit(hf)
@@ -496,6 +513,7 @@ def _model_config(
         attention_backend=_resolve_attention_backend(attention_backend, device),
         sampling_defaults=_sampling_defaults(generation, generation_source),
         max_position_embeddings=model_len_limit,
+        enforce_eager=enforce_eager,
     )
 
 
