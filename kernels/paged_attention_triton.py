@@ -91,11 +91,12 @@ def plan_paged_attention_triton(
             for q0 in range(0, q_len, PREFILL_BLOCK_Q):
                 tiles += (i, q0)
     # One host-to-device copy for the whole layout; the plan's tensors are views of it.
-    flat = torch.tensor(
-        [*query_start_loc, *seq_lens, *decode_seqs, *tiles],
-        dtype=torch.int32,
-        device=block_table.device,
-    )
+    flat = torch.tensor([*query_start_loc, *seq_lens, *decode_seqs, *tiles], dtype=torch.int32)
+    if block_table.device.type == "cuda":
+        # From pinned memory, without waiting (a pageable copy waits for the stream to drain).
+        flat = flat.pin_memory().to(block_table.device, non_blocking=True)
+    else:
+        flat = flat.to(block_table.device)
     sizes = [num_seqs + 1, num_seqs, len(decode_seqs), len(tiles)]
     qsl, lens, decodes, tile_flat = torch.split(flat, sizes)
     return TritonAttentionPlan(
@@ -108,12 +109,12 @@ def plan_paged_attention_triton(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for any count
 def _decode_kernel(
     out_ptr,  # [T, H_q, D]
-    part_acc_ptr,  # [Bd, H_q, NUM_SPLITS, D] fp32, unnormalised (NUM_SPLITS > 1 only)
-    part_max_ptr,  # [Bd, H_q, NUM_SPLITS] fp32, running max in log2 units
-    part_sum_ptr,  # [Bd, H_q, NUM_SPLITS] fp32
+    part_acc_ptr,  # [Bd, H_q, num_splits, D] fp32, unnormalised (SPLIT only)
+    part_max_ptr,  # [Bd, H_q, num_splits] fp32, running max in log2 units
+    part_sum_ptr,  # [Bd, H_q, num_splits] fp32
     query_ptr,  # [T, H_q, D]
     cache_ptr,  # [2, H_kv, num_blocks, block_size, D]
     block_table_ptr,  # [B, max_blocks]
@@ -135,7 +136,8 @@ def _decode_kernel(
     stride_c_blk,
     stride_c_off,
     stride_bt,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,  # a run-time value: every split count shares one compiled kernel
+    SPLIT: tl.constexpr,  # num_splits > 1: write partial outputs for the reduction
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -189,7 +191,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         out_ptrs = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(
@@ -199,27 +201,27 @@ def _decode_kernel(
         )
     else:
         # An empty split (a sequence shorter than the longest) leaves max -inf and sum 0.
-        ml = (idx.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split  # [G]
+        ml = (idx.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [G]
         tl.store(part_max_ptr + ml, m_i, mask=g_mask)
         tl.store(part_sum_ptr + ml, l_i, mask=g_mask)
         acc_ptrs = part_acc_ptr + ml[:, None] * BLOCK_D + d[None, :]
         tl.store(acc_ptrs, acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     out_ptr,  # [T, H_q, D]
-    part_acc_ptr,  # [Bd, H_q, NUM_SPLITS, BLOCK_D] fp32
-    part_max_ptr,  # [Bd, H_q, NUM_SPLITS] fp32
-    part_sum_ptr,  # [Bd, H_q, NUM_SPLITS] fp32
+    part_acc_ptr,  # [Bd, H_q, num_splits, BLOCK_D] fp32
+    part_max_ptr,  # [Bd, H_q, num_splits] fp32
+    part_sum_ptr,  # [Bd, H_q, num_splits] fp32
     query_start_loc_ptr,  # [B + 1]
     decode_seqs_ptr,  # [Bd]
     num_q_heads,
     head_dim,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_D: tl.constexpr,
 ):
     idx = tl.program_id(0)
@@ -228,8 +230,8 @@ def _reduce_splits_kernel(
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     s = tl.arange(0, BLOCK_S)  # [S]
     d = tl.arange(0, BLOCK_D)  # [D]
-    s_mask = s < NUM_SPLITS
-    base = (idx.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
+    s_mask = s < num_splits
+    base = (idx.to(tl.int64) * num_q_heads + head) * num_splits
     m = tl.load(part_max_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S]
     l_s = tl.load(part_sum_ptr + base + s, mask=s_mask, other=0.0)
     m_max = tl_max(m, axis=0)  # finite: split 0 always holds a key
@@ -441,7 +443,8 @@ def _launch_decode(
         kv_cache.stride(2),
         kv_cache.stride(3),
         plan.block_table.stride(0),
-        NUM_SPLITS=splits,
+        splits,
+        SPLIT=splits > 1,
         BLOCK_G=max(_DOT_MIN, next_power_of_2(c.group)),
         BLOCK_D=c.block_d,
         BLOCK_N=c.block_n,
@@ -463,7 +466,7 @@ def _launch_decode(
             query.shape[2],
             output.stride(0),
             output.stride(1),
-            NUM_SPLITS=splits,
+            splits,
             BLOCK_S=next_power_of_2(splits),
             BLOCK_D=c.block_d,
             num_warps=4,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncengine.config import CacheConfig, ModelConfig
+from asyncengine.config import CacheConfig, ModelConfig, SchedulerConfig
 from asyncengine.ipc.messages import LogprobsEntry
 from asyncengine.ipc.scheduler_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -27,6 +27,8 @@ from asyncengine.ipc.scheduler_output import (
 from asyncengine.model.attention import AttentionMetadata, get_backend
 from asyncengine.model.interface import ModelForward, TokenChoice
 from asyncengine.model.loader import load_model_forward
+from asyncengine.sampling_params import CoreSamplingParams
+from asyncengine.worker.cuda_graphs import DecodeGraphs
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
@@ -65,8 +67,14 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         tp: TensorParallelGroup | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        # The step limits the CUDA graphs and the profiling forward are sized for.
+        self.max_num_seqs = scheduler_config.max_num_seqs if scheduler_config else 256
+        self.max_num_batched_tokens = (
+            scheduler_config.max_num_batched_tokens if scheduler_config else 2048
+        )
         # Tensor parallel: this rank holds H_kv / tp KV heads; only the driver rank samples.
         self.tp = tp
         self.is_driver = tp is None or tp.is_driver
@@ -79,6 +87,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.model: ModelForward | None = None  # load_model()
+        self.decode_graphs: DecodeGraphs | None = None  # initialize_kv_cache(), on CUDA
         # Resolve the attention backend now, so a missing triton fails at start-up.
         get_backend(model_config.attention_backend, device)
 
@@ -103,7 +112,102 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = (2, self.num_local_kv_heads, num_blocks, self.block_size, mc.head_dim)
+        self.decode_graphs = None  # they point into the cache they were captured with
         self.kv_caches = [_zeroed(shape, self.dtype, self.device) for _ in range(mc.num_layers)]
+        if self.uses_cuda_graphs:
+            self.capture_decode_graphs()
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA with Triton attention, one device (no
+        tensor parallel), unless `enforce_eager`."""
+        mc = self.model_config
+        return (
+            self.device.type == "cuda"
+            and mc.attention_backend == "triton"
+            and not mc.enforce_eager
+            and (self.tp is None or self.tp.world_size == 1)
+        )
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode graphs over the current KV cache (worker/cuda_graphs.py). On a
+        CPU (tests, with Triton's interpreter) the same padded steps run uncaptured."""
+        assert self.model is not None and self.kv_caches, "load_model() and the KV cache first"
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            block_size=self.block_size,
+            max_model_len=self.model_config.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            device=self.device,
+            capture=self.device.type == "cuda",
+        )
+        graphs.capture_all()
+        self.decode_graphs = graphs
+
+    # ---- start-up: profiling and warm-up ------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Forwards the engine will meet, on dummy tokens, before any request: the largest
+        step (`max_num_batched_tokens` tokens over up to `max_num_seqs` prefills, every
+        sequence's logits then through the sampler's widest path: top-k/top-p sorts every
+        row), then a 17-token prefill and a one-token step.
+
+        The first sets the peak activation memory the KV cache is sized around
+        (worker/gpu_memory.py); together they compile, on a GPU, the Triton kernels'
+        specializations (Triton specializes integer arguments that equal 1 or are multiples
+        of 16) so that no request waits on a compile. Uses a temporary KV cache of its own."""
+        assert self.model is not None, "load_model() first"
+        max_len = self.model_config.max_model_len
+        num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+        num_tokens = min(self.max_num_batched_tokens, num_seqs * max_len)
+        lens = [num_tokens // num_seqs] * num_seqs
+        for i in range(num_tokens % num_seqs):
+            lens[i] += 1
+        for step in (lens, [min(17, max_len)], [1]):
+            self._dummy_forward(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_forward(self, lens: list[int]) -> None:
+        """One forward of fresh sequences of `lens` tokens, sampled at temperature 1 with
+        top-k and top-p."""
+        assert self.model is not None
+        mc, bs, dev = self.model_config, self.block_size, self.device
+        blocks = [-(-n // bs) for n in lens]
+        shape = (2, self.num_local_kv_heads, sum(blocks), bs, mc.head_dim)
+        kv_caches = [torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(mc.num_layers)]
+        block_table = np.zeros((len(lens), max(blocks)), dtype=np.int64)
+        first = np.cumsum([0, *blocks[:-1]])
+        for i, n in enumerate(blocks):
+            block_table[i, :n] = np.arange(first[i], first[i] + n)
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        rows = np.repeat(np.arange(len(lens)), lens)
+        slots = block_table[rows, positions // bs] * bs + positions % bs
+        query_start_loc = [0, *np.cumsum(lens).tolist()]
+        attn = AttentionMetadata.build(
+            kv_caches=kv_caches,
+            slot_mapping=_to_device(slots, dev),
+            query_start_loc=query_start_loc,
+            seq_lens=lens,
+            block_table=_to_device(block_table, dev),
+            block_size=bs,
+            dtype=self.dtype,
+            backend=mc.attention_backend,
+        )
+        generator = np.random.default_rng(0)
+        token_ids = generator.integers(0, mc.vocab_size, len(positions), dtype=np.int64)
+        last = np.asarray(query_start_loc[1:], dtype=np.int64) - 1
+        keep = _to_device(last, dev) if self.is_driver else _to_device(last[:0], dev)
+        logits = self.model(_to_device(token_ids, dev), _to_device(positions, dev), attn, keep)
+        if not self.is_driver:
+            return
+        params = CoreSamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        states = [SamplingRequestState(params=params, prompt_token_ids=[0]) for _ in lens]
+        metadata = build_sampling_metadata(states, mc.vocab_size, dev)
+        self.sampler.forward(logits[:, : mc.vocab_size], metadata)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -117,6 +221,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None, "load_model() first"
+        decodes = self._graph_decodes(scheduler_output)
+        if decodes is not None:
+            return self._execute_graph_decode(scheduler_output, decodes, grammar_bitmask)
         batch = self._prepare_inputs(scheduler_output)
         # Only the driver rank samples: the others skip the lm_head entirely.
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
@@ -132,7 +239,47 @@ class ModelRunner:
         )
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
-        return self._sample(scheduler_output, batch, out, metadata)
+        return self._sample(scheduler_output, batch.sample_req_ids, out, metadata)
+
+    def _graph_decodes(self, scheduler_output: SchedulerOutput) -> list[str] | None:
+        """The step's requests when it can replay a decode graph: every request one token,
+        the one whose logits it samples; else None."""
+        graphs = self.decode_graphs
+        num_reqs = len(scheduler_output.num_scheduled_tokens)
+        if (
+            graphs is None
+            or num_reqs > graphs.max_size
+            or scheduler_output.total_num_scheduled_tokens != num_reqs
+        ):
+            return None
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            if state.num_computed_tokens + 1 != len(state.token_ids):
+                return None  # a one-token prefill chunk that does not reach the end
+        return req_ids
+
+    def _execute_graph_decode(
+        self,
+        scheduler_output: SchedulerOutput,
+        req_ids: list[str],
+        grammar_bitmask: Callable[[], GrammarBitmask | None] | None,
+    ) -> ModelRunnerOutput:
+        assert self.decode_graphs is not None
+        states = [self.requests[r] for r in req_ids]
+        positions = [s.num_computed_tokens for s in states]
+        logits = self.decode_graphs.run(
+            [s.token_ids[p] for s, p in zip(states, positions, strict=True)],
+            positions,
+            [s.block_ids for s in states],
+        )
+        metadata = None
+        if self.is_driver:
+            sampling = [s.sampling for s in states]
+            metadata = build_sampling_metadata(sampling, self.model_config.vocab_size, self.device)
+        if grammar_bitmask is not None:
+            scheduler_output.grammar_bitmask = grammar_bitmask()
+        return self._sample(scheduler_output, req_ids, logits, metadata)
 
     def _token_choice(
         self, scheduler_output: SchedulerOutput, metadata: SamplingMetadata
@@ -211,33 +358,33 @@ class ModelRunner:
         dev = self.device
         attn = AttentionMetadata.build(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            slot_mapping=_to_device(slot_mapping, dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_table=torch.from_numpy(block_table).to(dev),
+            block_table=_to_device(block_table, dev),
             block_size=bs,
             dtype=self.dtype,
             backend=self.model_config.attention_backend,
         )
         logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
         return _BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(pos).to(dev),
+            input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), dev),
+            positions=_to_device(pos, dev),
             attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), dev),
             sample_req_ids=[req_ids[i] for i in sample_rows],
         )
 
     def _sample(
         self,
         scheduler_output: SchedulerOutput,
-        batch: _BatchInputs,
+        sample_req_ids: list[str],
         out: torch.Tensor,  # [S, V] logits, or [S] the sampled tokens themselves
         metadata: SamplingMetadata | None,  # the driver's, where rows are sampled
     ) -> ModelRunnerOutput:
         sampled_by_req: dict[str, list[int]] = {}
         logprobs_by_req: dict[str, LogprobsEntry] = {}
-        if batch.sample_req_ids:
+        if sample_req_ids:
             sampler_out: SamplerOutput | None = None
             sampled: list[int] | None = None
             if metadata is not None and out.dim() == 1:
@@ -245,9 +392,7 @@ class ModelRunner:
             elif metadata is not None:
                 logits = out[:, : self.model_config.vocab_size]  # [S, V]
                 if scheduler_output.grammar_bitmask is not None:
-                    apply_grammar_bitmask(
-                        logits, batch.sample_req_ids, scheduler_output.grammar_bitmask
-                    )
+                    apply_grammar_bitmask(logits, sample_req_ids, scheduler_output.grammar_bitmask)
                 sampler_out = self.sampler.forward(logits, metadata)
                 # A NaN logit sampled means a broken row (argmax and the Gumbel-max both
                 # pick NaN first): that request fails alone. O(S), and in the same sync.
@@ -257,16 +402,16 @@ class ModelRunner:
                 ).tolist()
             if self.tp is not None:
                 # Every rank appends the driver's tokens, so the next step's inputs agree.
-                sampled = self.tp.broadcast_token_ids(sampled, len(batch.sample_req_ids))
+                sampled = self.tp.broadcast_token_ids(sampled, len(sample_req_ids))
             assert sampled is not None
-            for req_id, token_id in zip(batch.sample_req_ids, sampled, strict=True):
+            for req_id, token_id in zip(sample_req_ids, sampled, strict=True):
                 state = self.requests[req_id]
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 sampled_by_req[req_id] = [token_id]
             if sampler_out is not None and sampler_out.logprobs is not None:
-                states = [self.requests[r].sampling for r in batch.sample_req_ids]
-                logprobs_by_req = _logprobs_entries(batch.sample_req_ids, states, sampler_out)
+                states = [self.requests[r].sampling for r in sample_req_ids]
+                logprobs_by_req = _logprobs_entries(sample_req_ids, states, sampler_out)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -289,6 +434,15 @@ def _logprobs_entries(
         if n is not None:
             entries[req_id] = (ids[row][: n + 1], lps[row][: n + 1], int(ranks[row]))
     return entries
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`. On CUDA through pinned memory, without waiting:
+    a copy from pageable memory first waits for everything queued on the stream."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,17 +9,14 @@ from collections.abc import Callable
 
 import torch
 
-from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig
+from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from asyncengine.heap import release_free_heap
 from asyncengine.ipc.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from asyncengine.worker import gpu_memory
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.worker.parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
-
-# On CUDA without an explicit size, the KV cache takes this share of the memory left free
-# once the model is loaded.
-_CUDA_FREE_MEMORY_FRACTION = 0.85
 
 
 class Worker:
@@ -30,13 +27,21 @@ class Worker:
         device_config: DeviceConfig,
         tp: TensorParallelGroup | None = None,
         device: torch.device | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.rank = tp.rank if tp is not None else 0
         self.device = device if device is not None else torch.device(device_config.device)
+        # On CUDA: the card's memory before this worker loads anything (worker/gpu_memory.py).
+        self._memory_baseline: gpu_memory.MemorySnapshot | None = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._memory_baseline = gpu_memory.snapshot(self.device)
         torch.manual_seed(model_config.seed)
-        self.model_runner = ModelRunner(model_config, cache_config, self.device, tp)
+        self.model_runner = ModelRunner(
+            model_config, cache_config, self.device, tp, scheduler_config
+        )
         self._num_kv_blocks = 0
         self._sleep_level = 0  # 0: awake; 1: KV cache released; 2: the weights too
 
@@ -44,15 +49,29 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks fit: the configured count, or the byte budget divided up."""
+        """How many KV blocks fit: the configured count, or the byte budget divided up; on
+        CUDA without either, what `gpu_memory_utilization` leaves after a profiling forward.
+
+        On CUDA the profiling forward always runs: it is also the warm-up that compiles the
+        prefill path's kernels before the first request."""
         cc = self.cache_config
+        baseline = self._memory_baseline
+        if baseline is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.model_runner.profile_run()
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
         budget = cc.kv_cache_memory_bytes
         if budget is None:
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _CUDA_FREE_MEMORY_FRACTION)
+            if baseline is None:
+                raise ValueError("give kv_cache_memory_bytes or num_kv_blocks off CUDA")
+            budget = gpu_memory.kv_cache_budget(
+                baseline,
+                gpu_memory.snapshot(self.device),
+                torch.cuda.max_memory_allocated(self.device),
+                cc.gpu_memory_utilization,
+            )
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -88,6 +107,7 @@ class Worker:
         caller has no request running. `wake_up()` restores both."""
         runner = self.model_runner
         runner.kv_caches = []
+        runner.decode_graphs = None  # their memory pool, and their hold on the cache
         if level >= 2:
             runner.model = None
         self._sleep_level = max(self._sleep_level, level)
