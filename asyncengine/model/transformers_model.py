@@ -35,6 +35,11 @@ class TransformersModel:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.module = model
+        # Causality comes from the paged attention's plan. An empty 4D mask is taken as
+        # ready-made: transformers then builds none, and skips its packed-sequence check,
+        # whose `.all()` reads the GPU back (a host sync each step, and no CUDA graph).
+        param = next(model.parameters())
+        self._ready_mask = torch.empty((1, 1, 0, 0), dtype=param.dtype, device=param.device)
 
     def __call__(
         self,
@@ -47,6 +52,7 @@ class TransformersModel:
         # transformers takes a batch: ours is one packed sequence, [1, T].
         out = self.module(
             input_ids=input_ids[None],
+            attention_mask=self._ready_mask,
             position_ids=positions[None],
             logits_to_keep=logits_indices,
             use_cache=False,

@@ -121,6 +121,7 @@ class DecodeGraphs:
             for size in self.sizes:
                 self._forward(size)
             return
+        reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -137,10 +138,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s",
+            "CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.0f MiB",
             len(self.sizes),
             self.max_size,
             self.capture_seconds,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
 
     def _forward(self, size: int) -> torch.Tensor:

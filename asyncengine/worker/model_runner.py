@@ -143,7 +143,11 @@ class ModelRunner:
             device=self.device,
             capture=self.device.type == "cuda",
         )
-        graphs.capture_all()
+        try:
+            graphs.capture_all()
+        except RuntimeError as exc:  # an op in the model that cannot be captured
+            logger.warning("CUDA graphs could not be captured; decode steps run eagerly: %s", exc)
+            return
         self.decode_graphs = graphs
 
     # ---- start-up: profiling and warm-up ------------------------------------------------

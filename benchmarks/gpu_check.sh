@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The whole GPU picture in one run (about 8 minutes on one H100 or H200), results in one file.
+#
+#     bash benchmarks/gpu_check.sh [RESULTS_DIR]      # default: $OUT, else .bench/
+#
+# Run from the repository root on a machine with a CUDA GPU, torch, triton and transformers.
+# Packages that machine lacks travel as wheels in .whl/ (benchmarks/gpu_wheels.txt says how
+# to make it); they are installed into /tmp/site first. In order, each with its own time limit
+# so that one hang cannot eat the rest:
+#
+#   1. the GPU's name, driver and the versions of torch, triton and transformers;
+#   2. the tests marked `gpu` (the whole tree), one at a time: they share the card;
+#   3. tests/model, tests/worker and tests/kernels, unmarked tests: the CPU path must pass
+#      on a GPU machine too;
+#   4. benchmarks/gpu_engine.py: offline tok/s against transformers' generate, graphs and
+#      eager, and one HTTP stream through `asyncengine serve`;
+#   5. benchmarks/gpu_profile.py: where a decode step's time goes;
+#   6. with time left, the rest of the suite (not `gpu`), in parallel.
+#
+# Everything goes to RESULTS_DIR/gpu_check.log (and gpu_engine.json); the summary lines are
+# printed last.
+set -u
+cd "$(dirname "$0")/.."
+RESULTS=${1:-${OUT:-.bench}}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_check.log"
+: >"$LOG"
+START=$(date +%s)
+SUMMARY=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+section() { say ""; say "=== $1 (at $(($(date +%s) - START)) s)"; }
+# run NAME SECONDS CMD...: the command's output to the log, its status to the summary.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    section "$name"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    local line="$name: exit $rc in $(($(date +%s) - t0)) s"
+    [ $rc -eq 124 ] && line="$line (timed out after $limit s)"
+    SUMMARY+=("$line")
+    say "$line"
+}
+
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || say "wheel install failed"
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+section "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__, \
+'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+nproc | sed 's/^/cpus: /' | tee -a "$LOG"
+date -u +"date: %Y-%m-%d" | tee -a "$LOG"
+
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts= --timeout 300)
+run "gpu tests" 200 "${PYTEST[@]}" -m gpu tests
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+run "cpu-path tests on this machine" 150 "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" \
+    tests/model tests/worker tests/kernels
+run "gpu_engine" 200 python3 benchmarks/gpu_engine.py --seqs 1,64 --eager 1 --serve \
+    --deadline 170 --phase-timeout 90 --json "$RESULTS/gpu_engine.json"
+run "gpu_profile" 80 python3 benchmarks/gpu_profile.py --seqs 1,64 --new 32
+LEFT=$((480 - ($(date +%s) - START)))
+if [ "$LEFT" -gt 60 ]; then
+    run "rest of the suite" "$((LEFT - 15))" "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" tests \
+        --ignore=tests/model --ignore=tests/worker --ignore=tests/kernels
+fi
+
+section "summary"
+for line in "${SUMMARY[@]}"; do say "$line"; done
+# The tests' tallies and the benchmark's table, for the reply's tail.
+grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)|^\| " "$LOG" | tail -60
