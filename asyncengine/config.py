@@ -12,6 +12,8 @@ import difflib
 import inspect
 import json
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -401,7 +403,7 @@ class EngineConfig:
             kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
         if distributed_executor_backend is None:
             distributed_executor_backend = "uni" if tensor_parallel_size == 1 else "mp"
-        return cls(
+        config = cls(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=block_size,
@@ -434,6 +436,11 @@ class EngineConfig:
             frontend_config=FrontendConfig(max_queued_requests=max_queued_requests),
             step_timeout=step_timeout,
         )
+        if on == "cuda":
+            # Here, in the client, before anything starts: not in __post_init__, which runs
+            # in every core too, where a Ray actor sees only its own GPUs.
+            check_gpu_count(config.parallel_config, visible_gpus())
+        return config
 
     def for_rank(self, rank: int) -> EngineConfig:
         """The config of data-parallel rank `rank`'s engine core."""
@@ -609,6 +616,81 @@ def _resolve_device(device: str) -> str:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return "cpu"
     return "cuda" if Path("/dev/nvidiactl").exists() and _torch_has_cuda() else "cpu"
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The GPUs a CUDA process started from here would see, as CUDA_VISIBLE_DEVICES
+    entries in CUDA's order ("0", "1", or "GPU-<uuid>" / "MIG-<uuid>"); None where this
+    can't tell (CUDA_VISIBLE_DEVICES unset and no /proc/driver/nvidia).
+
+    Counted without torch, so that the client stays torch-free and quick to start (torch
+    asks NVML, which agrees but for MIG UUIDs, which it can check and this can't): the driver
+    lists each GPU it drives under /proc/driver/nvidia/gpus/ (in a container the NVIDIA
+    runtime mounts only the container's GPUs there), and CUDA_VISIBLE_DEVICES narrows that
+    the way CUDA does, up to its first entry that is not a device (out of range, repeated,
+    "-1", or not a number or a UUID; a GPU UUID is checked against the driver's, a MIG
+    UUID is taken as given). Where this overcounts, the engine's own start fails instead
+    (worker_device names the GPU it lacks).
+
+    `environ`: the environment whose CUDA_VISIBLE_DEVICES counts (default: this process's)."""
+    installed = _nvidia_gpus()
+    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None if installed is None else [str(i) for i in range(len(installed))]
+    visible: list[str] = []
+    for entry in (e.strip() for e in value.split(",")):
+        if entry.isdigit():
+            entry = str(int(entry))
+            if installed is not None and int(entry) >= len(installed):
+                break
+        elif entry.startswith("GPU-"):
+            # CUDA takes a UUID's unambiguous prefix too.
+            if installed and all(installed) and not any(u.startswith(entry) for u in installed):
+                break
+        elif not entry.startswith("MIG-"):
+            break
+        if entry in visible:
+            break
+        visible.append(entry)
+    return visible
+
+
+def _nvidia_gpus() -> list[str] | None:
+    """The UUID of each GPU the NVIDIA driver lists ("" where it doesn't say); None: no
+    driver information here."""
+    try:
+        folders = sorted(Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        return None
+    uuids: list[str] = []
+    for folder in folders:
+        try:
+            found = re.search(r"GPU UUID:\s*(GPU-\S+)", (folder / "information").read_text())
+        except OSError:
+            found = None
+        uuids.append(found.group(1) if found else "")
+    return uuids
+
+
+def check_gpu_count(parallel: ParallelConfig, visible: list[str] | None) -> None:
+    """ValueError when the engine cores of this machine need more GPUs than are `visible`
+    (None: unknown, not checked): with data_parallel_backend="mp" every worker of every rank
+    has a GPU of its own here (executor/placement.py). Ray ranks get theirs from the
+    cluster, which its placement group checks."""
+    if visible is None or parallel.data_parallel_backend != "mp":
+        return
+    dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+    needed = dp * tp
+    if needed <= len(visible):
+        return
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f"CUDA_VISIBLE_DEVICES={value!r}" if value is not None else "no CUDA_VISIBLE_DEVICES"
+    have = f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible"
+    raise ValueError(
+        f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {needed} "
+        f"GPU{'' if needed == 1 else 's'}, but {have} ({shown}): each worker of each "
+        "rank runs on a GPU of its own"
+    )
 
 
 def _torch_has_cuda() -> bool:

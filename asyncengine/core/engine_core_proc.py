@@ -509,9 +509,12 @@ def _receive_addresses(handshake: zmq.Socket[bytes]) -> HandshakeAddresses:
 
 
 def _prepare_process(config: EngineConfig) -> None:
-    """Import the model code (this process is the engine's own)."""
+    """Take this rank's GPUs, then import the model code (this process is the engine's own)."""
     from asyncengine.core.engine_core import import_model_code
+    from asyncengine.executor.placement import claim_rank_gpus
 
+    # Before anything starts CUDA: this core and its workers see only this rank's GPUs.
+    claim_rank_gpus(config.parallel_config, config.device_config.device)
     skip_unused_packages(config.model_config)
     import_model_code(config, owns_process=True)
 

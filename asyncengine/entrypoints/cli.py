@@ -44,6 +44,14 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--kv-cache-memory-bytes", dict(dest="kv_cache_memory_bytes", type=int, metavar="BYTES",
                                      help="KV cache size in bytes, instead of --num-kv-blocks "
                                           "(default on CPU: 256 MiB)")),
+    ("--gpu-memory-utilization", dict(dest="gpu_memory_utilization", type=float,
+                                      metavar="FRACTION",
+                                      help="on CUDA, the share of the GPU's total memory this "
+                                           "engine may use in all: weights, activations and "
+                                           "the KV cache, which gets the rest; two engines "
+                                           "with 0.4 share a card; --num-kv-blocks and "
+                                           "--kv-cache-memory-bytes override it (default: "
+                                           "0.9)")),
     ("--max-num-seqs", dict(dest="max_num_seqs", type=int, metavar="N",
                             help="most requests running at once (default: 256)")),
     ("--max-num-batched-tokens", dict(dest="max_num_batched_tokens", type=int, metavar="N",
@@ -107,6 +115,9 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                  choices=("auto", "cpu", "torch", "triton"),
                                  help="paged attention implementation (default: auto, Triton "
                                       "on CUDA, native C kernels on CPU)")),
+    ("--enforce-eager", dict(dest="enforce_eager", action="store_const", const=True,
+                             help="on CUDA, run every step eagerly: capture no CUDA graphs "
+                                  "for decode steps (default: capture them at start-up)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)

@@ -7,6 +7,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.abstract import Executor, GrammarFill
+from asyncengine.executor.placement import worker_device
 from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker.worker import Worker
 
@@ -32,7 +33,9 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         self._fill_thread: ThreadPoolExecutor | None = None
         c = self.config
-        self.worker = Worker(c.model_config, c.cache_config, c.device_config)
+        # The core's one worker: cuda:0 of the GPUs this core sees (executor/placement.py).
+        device = worker_device(c.device_config.device, 0)
+        self.worker = Worker(c.model_config, c.cache_config, c.device_config, device=device)
         self.worker.load_model()
 
     def collective_rpc(

@@ -107,6 +107,7 @@ def _start(
 
     import torch
 
+    from asyncengine.executor.placement import worker_device
     from asyncengine.worker.parallel import create_store, join_group
     from asyncengine.worker.worker import Worker
 
@@ -123,10 +124,8 @@ def _start(
         raise TypeError(f"expected InitDistributed, got {type(init).__name__}")
     # A file in the executor's private (0700) directory: no socket, on any interface.
     store = create_store(world_size, launch.store_path)
-    device = torch.device(config.device_config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
+    # cuda:rank of the GPUs this rank's core sees: its own (executor/placement.py).
+    device = worker_device(config.device_config.device, rank)
     tp = join_group(rank, world_size, store, device)
     worker = Worker(config.model_config, config.cache_config, config.device_config, tp, device)
     worker.load_model()

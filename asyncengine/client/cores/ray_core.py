@@ -80,6 +80,9 @@ class RayCluster:
         self.strategy = PLACEMENTS[parallel.data_parallel_placement]
         self.bundle: dict[str, float] = {"CPU": float(parallel.tensor_parallel_size)}
         if config.device_config.device == "cuda":
+            # A GPU per TP worker. The actor asks for them all (num_gpus), so Ray sets its
+            # CUDA_VISIBLE_DEVICES to them; its core and workers inherit that, and worker t
+            # runs on cuda:t (executor/placement.py): no two ranks share a GPU.
             self.bundle["GPU"] = float(parallel.tensor_parallel_size)
         self.owns_ray = False
         self.placement_group: Any = None
