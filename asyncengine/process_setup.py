@@ -35,8 +35,10 @@ def skip_triton_unless_used(model_config: ModelConfig) -> None:
 # engine-owned process never uses, and that asyncengine does not depend on (so a process without
 # them is a configuration the engine supports anyway): scipy (transformers' object-detection
 # losses; 0.15 s of start-up and 37 MB), trio (an optional backend of httpcore2, the HTTP
-# client that transformers' hub utilities import; 0.05 s).
-_UNUSED_PACKAGES = ("scipy", "trio")
+# client that transformers' hub utilities import; 0.05 s), and scikit-learn, which transformers'
+# generation utilities import where it is installed and which imports scipy itself (without
+# it in the list, a machine with scikit-learn fails every engine process's start).
+_UNUSED_PACKAGES = ("scipy", "sklearn", "trio")
 
 
 def skip_unused_packages(model_config: ModelConfig) -> None:

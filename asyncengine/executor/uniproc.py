@@ -35,7 +35,13 @@ class UniProcExecutor(Executor):
         c = self.config
         # The core's one worker: cuda:0 of the GPUs this core sees (executor/placement.py).
         device = worker_device(c.device_config.device, 0)
-        self.worker = Worker(c.model_config, c.cache_config, c.device_config, device=device)
+        self.worker = Worker(
+            c.model_config,
+            c.cache_config,
+            c.device_config,
+            device=device,
+            scheduler_config=c.scheduler_config,
+        )
         self.worker.load_model()
 
     def collective_rpc(

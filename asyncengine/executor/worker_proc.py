@@ -127,7 +127,14 @@ def _start(
     # cuda:rank of the GPUs this rank's core sees: its own (executor/placement.py).
     device = worker_device(config.device_config.device, rank)
     tp = join_group(rank, world_size, store, device)
-    worker = Worker(config.model_config, config.cache_config, config.device_config, tp, device)
+    worker = Worker(
+        config.model_config,
+        config.cache_config,
+        config.device_config,
+        tp,
+        device,
+        scheduler_config=config.scheduler_config,
+    )
     worker.load_model()
     outbox.send(encoder.encode(WorkerReady(rank)))
     return worker

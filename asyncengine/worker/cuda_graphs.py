@@ -121,7 +121,7 @@ class DecodeGraphs:
             for size in self.sizes:
                 self._forward(size)
             return
-        reserved = torch.cuda.memory_reserved(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -142,7 +142,7 @@ class DecodeGraphs:
             len(self.sizes),
             self.max_size,
             self.capture_seconds,
-            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+            (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**20,
         )
 
     def _forward(self, size: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from asyncengine.model.attention import AttentionMetadata, get_backend
 from asyncengine.model.interface import ModelForward, TokenChoice
 from asyncengine.model.loader import load_model_forward
 from asyncengine.sampling_params import CoreSamplingParams
-from asyncengine.worker.cuda_graphs import DecodeGraphs
+from asyncengine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
@@ -175,9 +175,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _dummy_forward(self, lens: list[int]) -> None:
-        """One forward of fresh sequences of `lens` tokens, sampled at temperature 1 with
-        top-k and top-p."""
+    @torch.inference_mode()
+    def decode_graph_memory(self) -> int:
+        """About the bytes the decode graphs' memory pool will hold (CUDA): twice the
+        activations of a decode step of the largest captured batch, measured on a dummy one
+        (every graph keeps its output alive, and the bucket sizes sum to about twice the
+        largest)."""
+        if not self.uses_cuda_graphs:
+            return 0
+        rows = capture_sizes(self.max_num_seqs)[-1]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dummy_forward([1] * rows, sample=False)
+        torch.cuda.synchronize(self.device)
+        return 2 * (torch.cuda.max_memory_allocated(self.device) - before)
+
+    def _dummy_forward(self, lens: list[int], sample: bool = True) -> None:
+        """One forward of fresh sequences of `lens` tokens; with `sample`, sampled at
+        temperature 1 with top-k and top-p."""
         assert self.model is not None
         mc, bs, dev = self.model_config, self.block_size, self.device
         blocks = [-(-n // bs) for n in lens]
@@ -206,7 +222,7 @@ class ModelRunner:
         last = np.asarray(query_start_loc[1:], dtype=np.int64) - 1
         keep = _to_device(last, dev) if self.is_driver else _to_device(last[:0], dev)
         logits = self.model(_to_device(token_ids, dev), _to_device(positions, dev), attn, keep)
-        if not self.is_driver:
+        if not self.is_driver or not sample:
             return
         params = CoreSamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         states = [SamplingRequestState(params=params, prompt_token_ids=[0]) for _ in lens]

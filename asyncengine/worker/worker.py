@@ -59,6 +59,8 @@ class Worker:
         if baseline is not None:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.model_runner.profile_run()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            after_profile = gpu_memory.snapshot(self.device)
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
@@ -67,11 +69,20 @@ class Worker:
             if baseline is None:
                 raise ValueError("give kv_cache_memory_bytes or num_kv_blocks off CUDA")
             budget = gpu_memory.kv_cache_budget(
-                baseline,
-                gpu_memory.snapshot(self.device),
-                torch.cuda.max_memory_allocated(self.device),
-                cc.gpu_memory_utilization,
+                baseline, after_profile, peak, cc.gpu_memory_utilization
             )
+            # The decode graphs are captured after the cache, in a memory pool of their own.
+            graphs = self.model_runner.decode_graph_memory()
+            logger.info(
+                "GPU memory: %.2f GiB of %.2f GiB is this engine's; the KV cache gets %.2f GiB "
+                "(peak of the largest step %.2f GiB, decode graphs about %.2f GiB)",
+                baseline.total * cc.gpu_memory_utilization / 2**30,
+                baseline.total / 2**30,
+                (budget - graphs) / 2**30,
+                (peak - baseline.torch_allocated) / 2**30,
+                graphs / 2**30,
+            )
+            budget -= graphs
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(

