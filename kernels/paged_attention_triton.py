@@ -379,6 +379,25 @@ def paged_attention_triton(
     return output
 
 
+def warm_up_decode(kv_cache: torch.Tensor, num_q_heads: int) -> None:
+    """Compile, before any request, the decode kernels a step may choose: unsplit, and the
+    split reduction for each power-of-two block of split counts (its only compile-time
+    parameter besides the model's shapes). One query token over slot 0 of `kv_cache`, which
+    is only read."""
+    device, head_dim = kv_cache.device, kv_cache.shape[-1]
+    query = torch.zeros((1, num_q_heads, head_dim), dtype=kv_cache.dtype, device=device)
+    block_table = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    plan = plan_paged_attention_triton([0, 1], [1], block_table, kv_cache.shape[3], query.dtype)
+    # Long enough for every split count to survive rounding to whole key blocks; the kernels
+    # read the real length (1) from the plan's tensors.
+    plan.max_decode_seq_len = _MAX_SPLITS * 64
+    splits = 1
+    while splits <= _MAX_SPLITS:
+        plan.num_splits = splits
+        paged_attention_triton(query, query, query, kv_cache, plan, head_dim**-0.5)
+        splits *= 2
+
+
 @dataclass(frozen=True, slots=True)
 class _Launch:
     group: int

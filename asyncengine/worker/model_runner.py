@@ -172,6 +172,14 @@ class ModelRunner:
             lens[i] += 1
         for step in (lens, [min(17, max_len)], [1]):
             self._dummy_forward(step)
+        if self.device.type == "cuda" and self.model_config.attention_backend == "triton":
+            from asyncengine.kernels.paged_attention_triton import warm_up_decode
+
+            # The split decodes an eager step with long contexts takes (graphs fix theirs).
+            mc = self.model_config
+            shape = (2, self.num_local_kv_heads, 1, self.block_size, mc.head_dim)
+            local_heads = mc.num_attention_heads * self.num_local_kv_heads // mc.num_kv_heads
+            warm_up_decode(torch.zeros(shape, dtype=self.dtype, device=self.device), local_heads)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -116,3 +116,12 @@ def test_chunk_spanning_many_tiles_after_a_long_prefix(device: str) -> None:
     b = make_paged_batch([70, 1], [70 + 190, 50], 6, 2, 32, 16, torch.float16, seed=2)
     truth = dense_attention(b, 0.2)
     assert max_error(run_triton(b, device, 0.2, None), truth) <= TOLERANCE[torch.float16]
+
+
+def test_warm_up_decode_runs_every_split_variant_and_writes_nothing(device: str) -> None:
+    from asyncengine.kernels.paged_attention_triton import warm_up_decode
+
+    cache = torch.randn((2, 2, 3, 16, 32), dtype=torch.float32, device=device)
+    before = cache.clone()
+    warm_up_decode(cache, num_q_heads=4)
+    assert torch.equal(cache, before)
