@@ -30,6 +30,7 @@ from asyncengine.model.loader import load_model_forward
 from asyncengine.sampling_params import CoreSamplingParams
 from asyncengine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
+from asyncengine.worker.host_copy import to_device
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import (
@@ -296,15 +297,15 @@ class ModelRunner:
         assert self.decode_graphs is not None
         states = [self.requests[r] for r in req_ids]
         positions = [s.num_computed_tokens for s in states]
+        metadata = None
+        if self.is_driver:  # before the replay: its copies then queue behind nothing
+            sampling = [s.sampling for s in states]
+            metadata = build_sampling_metadata(sampling, self.model_config.vocab_size, self.device)
         logits = self.decode_graphs.run(
             [s.token_ids[p] for s, p in zip(states, positions, strict=True)],
             positions,
             [s.block_ids for s in states],
         )
-        metadata = None
-        if self.is_driver:
-            sampling = [s.sampling for s in states]
-            metadata = build_sampling_metadata(sampling, self.model_config.vocab_size, self.device)
         if grammar_bitmask is not None:
             scheduler_output.grammar_bitmask = grammar_bitmask()
         return self._sample(scheduler_output, req_ids, logits, metadata)
@@ -465,12 +466,7 @@ def _logprobs_entries(
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on `device`. On CUDA through pinned memory, without waiting:
-    a copy from pageable memory first waits for everything queued on the stream."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.from_numpy(array), device)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncengine.sampling_params import CoreSamplingParams
+from asyncengine.worker.host_copy import to_device
 
 # Temperatures below this are greedy, as in vLLM: dividing logits by a tiny temperature
 # overflows float32, and softmax of a row of infinities is NaN.
@@ -200,7 +201,7 @@ def _build_general(
     all_random = num_greedy == 0
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     metadata = SamplingMetadata(
         num_rows=num_rows,
@@ -213,17 +214,17 @@ def _build_general(
     if not all_greedy:
         metadata.temperature = floats(temperature)
         if not all_random:
-            metadata.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            metadata.greedy_mask = to_device(torch.tensor(greedy, dtype=torch.bool), device)
         if use_top_k:
-            metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            metadata.top_k = to_device(torch.tensor(top_k, dtype=torch.int64), device)
         if use_top_p:
             metadata.top_p = floats(top_p)
         if use_min_p:
             metadata.min_p = floats(min_p)
         metadata.num_filter_candidates = num_candidates
     if min_tokens_rows:
-        metadata.min_tokens_indices = torch.tensor(
-            [min_tokens_rows, min_tokens_ids], dtype=torch.int64, device=device
+        metadata.min_tokens_indices = to_device(
+            torch.tensor([min_tokens_rows, min_tokens_ids], dtype=torch.int64), device
         )
     if use_penalties:
         metadata.presence_penalties = floats(presence)
@@ -244,4 +245,4 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     for r in rows:
         flat.extend(r)
         flat.extend(padding[: width - len(r)])
-    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width).to(device)
+    return to_device(torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width), device)
