@@ -57,6 +57,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # With SamplingParams(prompt_logprobs=N): one entry per prompt position, None first (the
+    # first token has nothing before it); each holds the prompt's token and the top N. In
+    # DELTA mode only the first output carries them.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(slots=True, frozen=True)

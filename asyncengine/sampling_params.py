@@ -183,6 +183,9 @@ class CoreSamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (each given what precedes it) and of the
+    # top-N alternatives at each prompt position, as vLLM's; None: not computed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -274,6 +277,14 @@ class SamplingParams(CoreSamplingParams, omit_defaults=True, kw_only=True):
         ):
             raise _bad(
                 "logprobs", self.logprobs, f"must be None or an integer in [0, {_MAX_LOGPROBS}]"
+            )
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS
+        ):
+            raise _bad(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                f"must be None or an integer in [0, {_MAX_LOGPROBS}]",
             )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)

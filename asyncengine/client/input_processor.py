@@ -165,6 +165,8 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     import msgspec
 
-    # Each sequence samples alone; a seeded request gives its sequences distinct seeds.
+    # Each sequence samples alone; a seeded request gives its sequences distinct seeds. The
+    # prompt's logprobs are the same for all: the first sequence computes them.
     seed = None if params.seed is None else (params.seed + index) % 2**63
-    return msgspec.structs.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

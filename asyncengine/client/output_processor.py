@@ -52,6 +52,9 @@ class RequestState:
     sequences: list[SequenceState]
     metrics: RequestMetrics
     queued: bool = True  # no output from the core yet: waiting, or in its prefill
+    # SamplingParams.prompt_logprobs: filled by position as the prefill chunks report them.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
 
     @property
     def finished(self) -> bool:
@@ -100,9 +103,12 @@ class OutputProcessor:
             arrival_time=request.core_requests[0].arrival_time,
             num_prompt_tokens=len(prompt_token_ids),
         )
-        return RequestState(
+        state = RequestState(
             request.request_id, request.prompt, prompt_token_ids, params, sequences, metrics
         )
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        return state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -155,6 +161,8 @@ class OutputProcessor:
                 to_abort.append(seq.core_id)
             if seq.finish_reason is not None:
                 del self._sequences[seq.core_id]
+            elif not out.new_token_ids:
+                continue  # a prefill chunk's prompt logprobs: reported with the first token
             touched.setdefault(state.request_id, (state, []))[1].append(seq)
 
         request_outputs: list[RequestOutput] = []
@@ -206,6 +214,11 @@ class OutputProcessor:
         metrics.last_token_time = now
         metrics.num_generation_tokens += len(out.new_token_ids)
         seq.token_ids.extend(out.new_token_ids)
+        if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
+            first, entries = out.new_prompt_logprobs
+            for offset, entry in enumerate(entries):
+                # By position: a preempted request that recomputes its prompt rewrites them.
+                state.prompt_logprobs[first + offset] = self._decode_logprobs(entry)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(self._decode_logprobs(e) for e in out.new_logprobs)
         stop_str = seq.detokenizer.update(out.new_token_ids)
@@ -239,6 +252,13 @@ class OutputProcessor:
             completions = [self._completion(s, delta=True) for s in changed]
         else:
             completions = [self._completion(s, delta=False) for s in state.sequences]
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None:
+            if kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            else:
+                state.prompt_logprobs_sent = True
+                prompt_logprobs = list(prompt_logprobs)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -246,6 +266,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -49,6 +49,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] | None = None
+    # Prompt logprobs computed this step: (the prompt position of the first entry, entries),
+    # the token at each position given the tokens before it ("sampled" = the prompt's token).
+    new_prompt_logprobs: tuple[int, list[LogprobsEntry]] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

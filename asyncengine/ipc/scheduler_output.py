@@ -70,6 +70,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # empty for a prefill chunk that did not reach the end
     logprobs: list[LogprobsEntry | None] | None = None
+    # Per request in batch order: the prompt logprobs this step computed, as
+    # (prompt position of the first entry, entries); None where none.
+    prompt_logprobs: list[tuple[int, list[LogprobsEntry]] | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -247,7 +247,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            else:  # every prompt position's logits are wanted: nothing is taken from the cache
+                computed_blocks, num_cached = [], 0
             num_new = min(request.num_tokens - num_cached, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
@@ -303,10 +306,20 @@ class Scheduler:
         """Append sampled tokens, finish requests that stop, and report what is new."""
         outputs, self._failed_outputs = self._failed_outputs, []
         logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for idx, (req_id, token_ids) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = self.requests.get(req_id)
+            prompt_entries = prompt_logprobs[idx] if prompt_logprobs is not None else None
+            if request is not None and not token_ids and prompt_entries is not None:
+                # A prefill chunk that samples nothing, but computed prompt logprobs.
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id, new_token_ids=[], new_prompt_logprobs=prompt_entries
+                    )
+                )
+                continue
             if request is None or not token_ids:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
             new_token_ids: list[int] = []
@@ -338,6 +351,7 @@ class Scheduler:
                     request_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=[entry] if entry is not None else None,
+                    new_prompt_logprobs=prompt_entries,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),

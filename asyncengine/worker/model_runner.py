@@ -57,8 +57,11 @@ class _BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] packed positions whose logits are sampled
+    logits_indices: torch.Tensor  # [S + P] packed positions: sampled ones, then the prompt's
     sample_req_ids: list[str]
+    # Requests whose prompt logprobs this step computes, with logits rows S.. in order:
+    # (batch row, the prompt position of its first target token, its target token ids, top-N).
+    prompt_rows: list[tuple[int, int, list[int], int]]
 
 
 class ModelRunner:
@@ -261,14 +264,48 @@ class ModelRunner:
             states = [self.requests[r].sampling for r in batch.sample_req_ids]
             metadata = build_sampling_metadata(states, self.model_config.vocab_size, self.device)
         choice = None
-        if metadata is not None and grammar_bitmask is None:
+        if metadata is not None and grammar_bitmask is None and not batch.prompt_rows:
             choice = self._token_choice(scheduler_output, metadata)
-        out = self.model(  # [S, V] logits, or [S] tokens
+        out = self.model(  # [S + P, V] logits, or [S] tokens
             batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice
         )
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
-        return self._sample(scheduler_output, batch.sample_req_ids, out, metadata)
+        num_sampled = len(batch.sample_req_ids)
+        output = self._sample(scheduler_output, batch.sample_req_ids, out[:num_sampled], metadata)
+        if batch.prompt_rows and self.is_driver:
+            output.prompt_logprobs = self._prompt_logprobs(
+                len(output.req_ids), batch.prompt_rows, out[num_sampled:]
+            )
+        return output
+
+    def _prompt_logprobs(
+        self,
+        num_reqs: int,
+        prompt_rows: list[tuple[int, int, list[int], int]],
+        logits: torch.Tensor,  # [P, V]: every listed request's prompt positions, in order
+    ) -> list[tuple[int, list[LogprobsEntry]] | None]:
+        """Each listed request's prompt logprobs: per position, its prompt token (first)
+        and the top-N tokens, their logprobs (fp32), and the prompt token's rank."""
+        logprobs = torch.log_softmax(logits[:, : self.model_config.vocab_size].float(), dim=-1)
+        targets = torch.tensor([t for _, _, ts, _ in prompt_rows for t in ts], dtype=torch.int64)
+        target_lp = logprobs.gather(1, to_device(targets, self.device)[:, None])  # [P, 1]
+        ranks = ((logprobs > target_lp).sum(dim=1) + 1).tolist()
+        target_list = target_lp[:, 0].tolist()
+        top_n = max(n for _, _, _, n in prompt_rows)
+        top_lp, top_ids = logprobs.topk(top_n, dim=1) if top_n else (logprobs[:, :0],) * 2
+        top_lps, top_id_list = top_lp.tolist(), top_ids.tolist()
+        result: list[tuple[int, list[LogprobsEntry]] | None] = [None] * num_reqs
+        row = 0
+        for batch_row, first, tokens, n in prompt_rows:
+            entries: list[LogprobsEntry] = []
+            for token in tokens:
+                ids = [token, *top_id_list[row][:n]]
+                lps = [target_list[row], *top_lps[row][:n]]
+                entries.append((ids, lps, int(ranks[row])))
+                row += 1
+            result[batch_row] = (first, entries)
+        return result
 
     def _graph_decodes(self, scheduler_output: SchedulerOutput) -> list[str] | None:
         """The step's requests when it can replay a decode graph: every request one token,
@@ -370,6 +407,8 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, list[int], int]] = []
+        prompt_indices: list[int] = []
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)  # [B, max_blocks]
         for i, (state, n) in enumerate(zip(states, counts, strict=True)):
@@ -380,6 +419,15 @@ class ModelRunner:
             block_table[i, : len(state.block_ids)] = state.block_ids
             if start + n == len(state.token_ids):
                 sample_rows.append(i)
+            top_n = state.sampling.params.prompt_logprobs
+            if top_n is not None and self.is_driver:
+                # Position p's logits give token p + 1's logprob, for the prompt's tokens.
+                end = min(start + n, len(state.sampling.prompt_token_ids) - 1)
+                if end > start:
+                    first = len(token_ids) - n  # this request's first packed token
+                    prompt_indices.extend(range(first, first + end - start))
+                    targets = state.token_ids[start + 1 : end + 1]
+                    prompt_rows.append((i, start + 1, targets, top_n))
         pos = np.concatenate(positions)  # [T]
         query_start_loc = [0, *np.cumsum(counts).tolist()]
         row_of_token = np.repeat(np.arange(num_reqs), counts)  # [T]
@@ -395,13 +443,14 @@ class ModelRunner:
             dtype=self.dtype,
             backend=self.model_config.attention_backend,
         )
-        logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows]
+        logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows] + prompt_indices
         return _BatchInputs(
             input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), dev),
             positions=_to_device(pos, dev),
             attn=attn,
             logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), dev),
             sample_req_ids=[req_ids[i] for i in sample_rows],
+            prompt_rows=prompt_rows,
         )
 
     def _sample(

@@ -117,6 +117,7 @@ def sampling_params(
     logprobs: int | None,
     structured_outputs: StructuredOutputsParams | None = None,
     defaults: Iterable[tuple[str, float | int]] = (),
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams (DELTA outputs); ValueError naming a bad field.
 
@@ -140,6 +141,7 @@ def sampling_params(
         **given,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=structured_outputs,
     )
@@ -156,8 +158,9 @@ class Usage(msgspec.Struct, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # None for an echoed prompt's first token: nothing comes before it.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

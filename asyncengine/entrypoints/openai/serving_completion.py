@@ -121,8 +121,6 @@ def _params(req: CompletionRequest, defaults: Iterable[tuple[str, float | int]])
         raise bad_request("suffix is not supported", "suffix")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of is not supported, other than equal to n", "best_of")
     constraint = request_constraint(req)
@@ -133,6 +131,8 @@ def _params(req: CompletionRequest, defaults: Iterable[tuple[str, float | int]])
             logprobs=req.logprobs,
             structured_outputs=constraint,
             defaults=defaults,
+            # echo with logprobs: the prompt's tokens come with theirs, as OpenAI's do.
+            prompt_logprobs=req.logprobs if req.echo else None,
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
@@ -154,6 +154,8 @@ class _Run:
         self.request_id, self.arrival, self.created = request_id, arrival, created_now()
         echoed = [(p.text or "") if req.echo else "" for p in prompts]
         self.choices = [_ChoiceState(prefix) for prefix in echoed for _ in range(params.n)]
+        # Per prompt, its prompt logprobs (echo with logprobs), from the output carrying them.
+        self.prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         self.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
 
     async def _generate(self, on_output: OnOutput) -> None:
@@ -167,27 +169,52 @@ class _Run:
             on_output=on_output,
         )
 
-    def _update(self, prompt_index: int, c: CompletionOutput) -> tuple[int, CompletionChoice]:
-        """Fold a DELTA into its choice; the choice as a chunk holding just that delta."""
+    def _update(
+        self, prompt_index: int, output: RequestOutput, c: CompletionOutput
+    ) -> CompletionChoice:
+        """Fold a DELTA into its choice; the choice as a chunk holding just that delta (and,
+        with its first text, the echoed prompt: with logprobs, the prompt's too)."""
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
         index = prompt_index * self.params.n + c.index
         choice = self.choices[index]
-        text = c.text
+        text, offset = c.text, choice.text_len
+        echoed = None
         if choice.prefix:
+            positions = self.prompt_logprobs[prompt_index]
+            if self.params.logprobs is not None and positions is not None:
+                echoed = self._echoed_logprobs(prompt_index, positions)
+            offset += len(choice.prefix)
             text, choice.prefix = choice.prefix + text, ""
         logprobs = None
         if self.params.logprobs is not None and c.logprobs is not None:
-            logprobs = _logprobs(c.token_ids, c.logprobs, self.params.logprobs, choice.text_len)
+            logprobs = _logprobs(c.token_ids, c.logprobs, self.params.logprobs, offset)
+        if echoed is not None:
+            logprobs = echoed if logprobs is None else _extend(echoed, logprobs)
         choice.text.append(text)
         choice.text_len += len(text)
         choice.num_tokens += len(c.token_ids)
         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-        return index, CompletionChoice(
+        return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
+
+    def _echoed_logprobs(
+        self, prompt_index: int, positions: list[PositionLogprobs | None]
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs: its first token has none (null, as OpenAI's)."""
+        assert self.params.logprobs is not None
+        token_ids = self.prompts[prompt_index].token_ids
+        first = self.state.engine.tokenizer.decode(token_ids[:1], skip_special_tokens=False)
+        result = CompletionLogprobs(
+            tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+        )
+        rest = cast("list[PositionLogprobs]", positions[1:])
+        return _extend(result, _logprobs(token_ids[1:], rest, self.params.logprobs, len(first)))
 
     def _usage(self) -> Usage:
         completion_tokens = sum(c.num_tokens for c in self.choices)
@@ -202,7 +229,7 @@ class _Run:
     async def complete(self) -> bytes:
         async def on_output(prompt_index: int, output: RequestOutput) -> None:
             for c in output.outputs:
-                _, delta = self._update(prompt_index, c)
+                delta = self._update(prompt_index, output, c)
                 choice = self.choices[delta.index]
                 if delta.logprobs is not None:
                     choice.logprobs = _extend(choice.logprobs, delta.logprobs)
@@ -237,7 +264,7 @@ class _Run:
             for c in output.outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                _, choice = self._update(prompt_index, c)
+                choice = self._update(prompt_index, output, c)
                 chunk = CompletionResponse(
                     id=self.request_id,
                     created=self.created,
