@@ -1,4 +1,18 @@
-"""Shared fixtures: tiny random-weight models of real architectures, built once per session."""
+"""Shared fixtures: tiny random-weight models of real architectures, built once per session.
+
+The suite runs the same on a machine with a GPU as without one: tests of the CPU path ask for
+device="cpu" (or `--device cpu`) rather than leave "auto" to the machine, and tests that need a
+GPU are marked `gpu` and skip, saying so, where torch sees no CUDA device. A test that takes a
+`device` argument runs on "cuda" (marked `gpu`) where there is one, else on "cpu" (Triton
+kernels under its interpreter): `@triton.jit` compiles or interprets for the whole process, so
+one process runs one of the two (see tests/kernels/conftest.py).
+
+ASYNCENGINE_TEST_SIMULATE_GPU=1 checks the first half on a machine without a GPU: device "auto"
+then resolves to "cuda" in this process and in every Python process a test starts (see
+tests/simulate_gpu/sitecustomize.py) and `torch.cuda.is_available()` says True here, so a test
+that leaves its device to the machine fails loudly; `gpu` tests are skipped, as nothing here
+can run them.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +27,32 @@ import pytest
 
 from asyncengine.testing import build_tiny_model
 
+SIMULATE_GPU_ENV = "ASYNCENGINE_TEST_SIMULATE_GPU"
+SIMULATE_GPU = os.environ.get(SIMULATE_GPU_ENV, "").strip() in ("1", "true", "yes")
+
+
+def _simulate_gpu() -> None:
+    """device "auto" resolves to "cuda" here and in every Python process started from here."""
+    import importlib.util
+
+    import torch
+
+    folder = Path(__file__).resolve().parent / "simulate_gpu"
+    # Child processes import it at start-up, as their sitecustomize; this one, which has
+    # started, loads it by path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(folder), os.environ.get("PYTHONPATH")])
+    )
+    spec = importlib.util.spec_from_file_location("simulate_gpu", folder / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    # As the driver does: CUDA_VISIBLE_DEVICES "" or "-1" hides the GPU.
+    torch.cuda.is_available = lambda: os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+
+
+if SIMULATE_GPU:
+    _simulate_gpu()
+
 # Two cores: one torch thread per test process keeps timings of tiny models sane.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Ray reads it when first imported: with it, a test's Ray cluster binds 127.0.0.1 only (by
@@ -26,6 +66,11 @@ PEERS_ENV = "ASYNCENGINE_TEST_PEERS"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SIMULATE_GPU:
+        gpu = pytest.mark.skip(reason=f"{SIMULATE_GPU_ENV}=1: the GPU is simulated")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(gpu)
     if os.environ.get(PEERS_ENV, "").strip() in ("1", "true", "yes"):
         return
     skip = pytest.mark.skip(reason=f"builds a peer engine (minutes): set {PEERS_ENV}=1 to run")
@@ -37,6 +82,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # A test (with its fixtures' set-up) that runs longer than this says so on the terminal, and
 # again at every such interval: a full run is never silent for a minute.
 HEARTBEAT_S = 45.0
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" not in metafunc.fixturenames:
+        return
+    cuda = has_cuda()
+    metafunc.parametrize("device", [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(cuda, reason="with a GPU Triton kernels run compiled, on it"),
+            id="interpreter",
+        ),
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda, reason="needs a CUDA device")],
+            id="cuda",
+        ),
+    ])  # fmt: skip
 
 
 @pytest.hookimpl(hookwrapper=True)

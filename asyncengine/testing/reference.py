@@ -46,14 +46,16 @@ def engine_tokens_and_logprobs(
     params: SamplingParams,
     *,
     passes: int = 1,
+    device: str = "cpu",
     **engine_config: object,
 ) -> list[tuple[list[int], list[list[float]]]]:
     """Each completion's tokens and its per-step logprobs (sorted), from a fresh offline
-    engine over `model_dir` that runs `prompts` `passes` times: what tests compare to the bit
-    between two ways of running one checkpoint. `params` must ask for logprobs."""
+    engine over `model_dir` on `device` (the CPU unless told: the same on any machine) that
+    runs `prompts` `passes` times: what tests compare to the bit between two ways of running
+    one checkpoint. `params` must ask for logprobs."""
     from asyncengine import LLM
 
-    llm = LLM(model_dir, **engine_config)
+    llm = LLM(model_dir, device=device, **engine_config)
     try:
         results = []
         for _ in range(passes):

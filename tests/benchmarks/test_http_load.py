@@ -420,7 +420,7 @@ def test_run_load_against_asyncengine_serve(
         port,
         served_model_name="tiny",
         dtype="float32",
-        extra_args=["--max-model-len", "256", "--num-kv-blocks", "256"],
+        extra_args=["--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "256"],
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base_url = f"http://127.0.0.1:{port}"

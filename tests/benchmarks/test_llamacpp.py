@@ -229,7 +229,7 @@ def test_llama_cpp_greedy_tokens_equal_ours_in_fp32(
     lengths = [1, 3, 17, 64, 150]
     prompts = [torch.randint(4, 49152, (n,), generator=generator).tolist() for n in lengths]
     new_tokens = 16
-    llm = LLM(tiny_model, dtype="float32", max_model_len=512)
+    llm = LLM(tiny_model, device="cpu", dtype="float32", max_model_len=512)
     try:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

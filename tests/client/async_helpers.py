@@ -12,8 +12,10 @@ from asyncengine.testing.processes import assert_gone, child_pids
 
 __all__ = ["ENGINE_KW", "assert_gone", "child_pids", "wait_until_idle"]
 
-# Small and fast: a few hundred KV blocks, short contexts.
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", max_model_len=256, num_kv_blocks=512, seed=0)
+# Small and fast: a few hundred KV blocks, short contexts; on the CPU on any machine.
+ENGINE_KW: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=512, seed=0
+)
 
 
 async def wait_until_idle(engine: AsyncLLM, limit_s: float = 10.0) -> EngineStats:

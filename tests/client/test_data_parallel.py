@@ -259,12 +259,12 @@ def test_the_offline_llm_refuses_data_parallel(tiny_llama: Path) -> None:
     from asyncengine import LLM
 
     with pytest.raises(ValueError, match="data_parallel_size=2: the offline LLM"):
-        LLM(tiny_llama, data_parallel_size=2)
+        LLM(tiny_llama, device="cpu", data_parallel_size=2)
 
 
 async def test_data_parallel_needs_a_process_core(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="needs core='process'"):
-        AsyncLLM.from_pretrained(tiny_llama, core="thread", data_parallel_size=2)
+        AsyncLLM.from_pretrained(tiny_llama, device="cpu", core="thread", data_parallel_size=2)
 
 
 async def test_abort_reaches_the_rank_that_holds_the_request(tiny_llama: Path) -> None:

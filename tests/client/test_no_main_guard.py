@@ -24,7 +24,7 @@ import os
 from asyncengine import AsyncLLM, SamplingParams
 
 async def main():
-    async with AsyncLLM.from_pretrained({model!r}, dtype="float32", max_model_len=256,
+    async with AsyncLLM.from_pretrained({model!r}, device="cpu", dtype="float32", max_model_len=256,
                                         num_kv_blocks=64) as engine:
         print("core pid", engine._core_client.proc.pid, flush=True)
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -40,7 +40,7 @@ TP_PROGRAM = """
 import os
 from asyncengine import LLM, SamplingParams
 
-llm = LLM({model!r}, dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+llm = LLM({model!r}, device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
 print("core pid", os.getpid(), flush=True)
 outs = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0.0,
                                                     ignore_eos=True), use_tqdm=False)
@@ -60,7 +60,7 @@ from starlette.routing import Route
 from asyncengine import AsyncLLM, SamplingParams
 from asyncengine.integrations.starlette import stream_generation
 
-engine = AsyncLLM.from_pretrained({model!r}, dtype="float32", max_model_len=256,
+engine = AsyncLLM.from_pretrained({model!r}, device="cpu", dtype="float32", max_model_len=256,
                                   num_kv_blocks=64)
 
 

@@ -18,6 +18,8 @@ def test_quickstart_notebook_executes(
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     monkeypatch.setenv("ASYNCENGINE_MODEL", str(tiny_llama))
+    # The notebook leaves the device to the machine: its kernel sees no GPU, so it is the CPU.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=150, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -48,9 +48,9 @@ async def engine(model_with_defaults: Path) -> AsyncIterator[AsyncLLM]:
 
 
 def test_the_config_reads_the_sampling_defaults(model_with_defaults: Path) -> None:
-    config = EngineConfig.from_kwargs(model_with_defaults)
+    config = EngineConfig.from_kwargs(model_with_defaults, device="cpu")
     assert dict(config.model_config.sampling_defaults) == MODEL_DEFAULTS
-    ignored = EngineConfig.from_kwargs(model_with_defaults, generation_config="vllm")
+    ignored = EngineConfig.from_kwargs(model_with_defaults, device="cpu", generation_config="vllm")
     assert ignored.model_config.sampling_defaults == ()
     assert ignored.model_config.eos_token_ids == config.model_config.eos_token_ids
 
@@ -60,9 +60,9 @@ def test_a_bad_default_in_the_file_is_an_error_naming_it(chat_model: Path, tmp_p
     shutil.copytree(chat_model, path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"generation_config\.json.*temperature"):
-        EngineConfig.from_kwargs(path)
+        EngineConfig.from_kwargs(path, device="cpu")
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
-        EngineConfig.from_kwargs(chat_model, generation_config="nowhere")
+        EngineConfig.from_kwargs(chat_model, device="cpu", generation_config="nowhere")
 
 
 def test_offline_requests_without_params_get_the_models_defaults(llm: LLM) -> None:

@@ -62,13 +62,13 @@ async def test_exception_in_model_init_carries_the_root_cause(bad_architecture: 
 
 def test_bad_settings_raise_value_error_before_any_start(tiny_llama: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
-        AsyncLLM.from_pretrained(tmp_path / "nowhere")
+        AsyncLLM.from_pretrained(tmp_path / "nowhere", device="cpu")
     with pytest.raises(ValueError, match="core="):
-        AsyncLLM.from_pretrained(tiny_llama, core="cluster")
+        AsyncLLM.from_pretrained(tiny_llama, device="cpu", core="cluster")
     with pytest.raises(ValueError, match="max_num_seqs"):
-        AsyncLLM.from_pretrained(tiny_llama, max_num_seqs=0)
+        AsyncLLM.from_pretrained(tiny_llama, device="cpu", max_num_seqs=0)
     with pytest.raises(TypeError):
-        AsyncLLM.from_pretrained(tiny_llama, no_such_setting=1)
+        AsyncLLM.from_pretrained(tiny_llama, device="cpu", no_such_setting=1)
 
 
 async def test_engine_must_be_started_and_starts_once(tiny_llama: Path) -> None:

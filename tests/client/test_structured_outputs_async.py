@@ -32,7 +32,9 @@ async def engine(
     (path / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
-    async with AsyncLLM.from_pretrained(path, dtype="float32", max_model_len=256) as engine:
+    async with AsyncLLM.from_pretrained(
+        path, device="cpu", dtype="float32", max_model_len=256
+    ) as engine:
         yield engine
 
 

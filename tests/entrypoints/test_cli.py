@@ -167,7 +167,8 @@ def test_module_entry_point_runs() -> None:
 def test_bad_engine_setting_is_a_one_line_error(
     tiny_llama: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["generate", str(tiny_llama), "hello", "--block-size", "3"]) == 1
+    argv = ["generate", str(tiny_llama), "hello", "--block-size", "3", "--device", "cpu"]
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("asyncengine: error: block_size=3")
     assert "Traceback" not in err
@@ -378,7 +379,7 @@ def test_default_model_converts_loads_and_chats(
     assert "Paris" in answer
 
     # The demo, on the converted model (now in the cache, so no second conversion).
-    assert cli.main(["demo", "--max-tokens", "16"]) == 0
+    assert cli.main(["demo", "--max-tokens", "16", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "The capital of France is Paris" in printed
     assert "tokens/s" in printed

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64"]
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64"]
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -98,7 +98,7 @@ def test_a_missing_folder_or_config_is_one_line(
 @pytest.mark.parametrize("api_servers", ["1", "2"])
 def test_serve_whose_engine_fails_to_start_is_one_line(tiny_llama: Path, api_servers: str) -> None:
     # A failure found in the engine core's process, as it starts (a KV cache too small).
-    argv = ["serve", str(tiny_llama), "--port", "0", "--dtype", "float32",
+    argv = ["serve", str(tiny_llama), "--port", "0", "--device", "cpu", "--dtype", "float32",
             "--kv-cache-memory-bytes", "10", "--api-server-count", api_servers]  # fmt: skip
     proc = run_cli(*argv)
     line = assert_one_line_error(proc, "failed to start", "kv_cache_memory_bytes=10")

@@ -37,7 +37,7 @@ def test_a_folder_converted_before_the_defaults_gets_them(
     assert default_model.default_model_dir() == folder
     after = json.loads((folder / "generation_config.json").read_text())
     assert after == {**before, **default_model.SAMPLING_DEFAULTS}
-    defaults = dict(EngineConfig.from_kwargs(folder).model_config.sampling_defaults)
+    defaults = dict(EngineConfig.from_kwargs(folder, device="cpu").model_config.sampling_defaults)
     assert defaults == {"temperature": 0.2, "top_p": 0.9}
 
 
@@ -74,7 +74,7 @@ def test_default_names_the_default_model_from_python_without_torch_in_the_caller
 @needs_default_model
 @pytest.mark.timeout(300)
 def test_llm_and_async_llm_take_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM("default", max_model_len=256)
+    llm = LLM("default", device="cpu", max_model_len=256)
     try:
         [out] = llm.chat([{"role": "user", "content": "Say hello."}], use_tqdm=False)
         assert out.outputs[0].text and out.outputs[0].finish_reason in ("stop", "length")
@@ -82,7 +82,9 @@ def test_llm_and_async_llm_take_default(tmp_path: Path, monkeypatch: pytest.Monk
         llm.shutdown()
 
     async def main() -> str:
-        async with AsyncLLM.from_pretrained("default", core="thread", max_model_len=256) as eng:
+        async with AsyncLLM.from_pretrained(
+            "default", device="cpu", core="thread", max_model_len=256
+        ) as eng:
             outs = [o async for o in eng.generate("Hello", SamplingParams(max_tokens=4))]
             return outs[-1].outputs[0].text
 
@@ -91,4 +93,4 @@ def test_llm_and_async_llm_take_default(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     (tmp_path / "default").mkdir()
     with pytest.raises(ValueError, match=r"has no config\.json"):
-        EngineConfig.from_kwargs("default")
+        EngineConfig.from_kwargs("default", device="cpu")

@@ -13,7 +13,7 @@ from asyncengine.client.llm_engine import LLMEngine
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
-    return LLM(tiny_llama, dtype="float32", max_model_len=256)
+    return LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=256)
 
 
 PROMPTS = ["hello world", "the engine is fast", "a", "async token cache block model of the world"]
@@ -134,7 +134,7 @@ def test_logprobs_hold_the_sampled_token_and_top_n(llm: LLM) -> None:
 
 
 def test_delta_outputs_concatenate_to_the_full_text(tiny_llama: Path) -> None:
-    engine = LLMEngine.from_kwargs(tiny_llama, dtype="float32")
+    engine = LLMEngine.from_kwargs(tiny_llama, device="cpu", dtype="float32")
     params = SamplingParams(
         temperature=0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
@@ -198,7 +198,7 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
 
 def test_missing_model_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
-        LLM(tmp_path / "nope")
+        LLM(tmp_path / "nope", device="cpu")
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> None:
@@ -208,7 +208,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path, tiny_llama: Path) -> 
         (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="FrobnicatorForCausalLM"):
-        LLM(tmp_path)
+        LLM(tmp_path, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_invalid_engine_config_names_the_keyword(
 
 def test_unknown_engine_keyword(tiny_llama: Path) -> None:
     with pytest.raises(TypeError, match="max_batch"):
-        LLM(tiny_llama, max_batch=3)
+        LLM(tiny_llama, device="cpu", max_batch=3)
 
 
 def test_the_default_token_budget_depends_on_the_device_and_the_api(tiny_llama: Path) -> None:
@@ -290,7 +290,7 @@ def test_sjf_policy_serves_the_shortest_waiting_prompt_first(tiny_llama: Path) -
     # One request at a time, all queued at once: first tokens come in prompt-length order,
     # and outputs still come back in input order.
     llm = LLM(
-        tiny_llama, dtype="float32", scheduling_policy="sjf", max_num_seqs=1,
+        tiny_llama, device="cpu", dtype="float32", scheduling_policy="sjf", max_num_seqs=1,
         max_num_batched_tokens=16,
     )  # fmt: skip
     try:

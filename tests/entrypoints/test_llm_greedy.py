@@ -53,7 +53,7 @@ def arch_case(
 def _generate(
     model_dir: Path, prompts: list[list[int]], **config: object
 ) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model_dir, dtype="float32", **config)
+    llm = LLM(model_dir, device="cpu", dtype="float32", **config)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -77,7 +77,7 @@ def test_greedy_matches_with_prefix_cache_hits(
     arch_case: tuple[Path, dict[str, list[list[int]]]],
 ) -> None:
     model_dir, ref = arch_case
-    llm = LLM(model_dir, dtype="float32")
+    llm = LLM(model_dir, device="cpu", dtype="float32")
     prompts = _shared_prefix_prompts()
     # The first pass fills the cache; the second is served from it.
     for _ in range(2):

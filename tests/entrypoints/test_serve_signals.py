@@ -27,8 +27,9 @@ pytestmark = pytest.mark.timeout(180)
 
 HERE = Path(__file__).parent
 SERVE_FLAGS = [
-    "--port", "0", "--served-model-name", "tiny", "--no-access-log", "--dtype", "float32",
-    "--max-model-len", "512", "--num-kv-blocks", "256", "--shutdown-timeout", "120",
+    "--port", "0", "--served-model-name", "tiny", "--no-access-log", "--device", "cpu",
+    "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
+    "--shutdown-timeout", "120",
 ]  # fmt: skip
 STEP_S = 0.05  # every engine step sleeps this long first (slow_engine_steps.py)
 SHORT, LONG = 16, 480  # tokens: about 1 s, and about 24 s (longer than any wait below)
@@ -162,7 +163,7 @@ def test_ctrl_c_of_generate_is_one_line_and_status_130(tiny_llama: Path) -> None
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "generate", str(tiny_llama), "hello",
-         "--max-tokens", str(LONG), "--temperature", "0", "--dtype", "float32",
+         "--max-tokens", str(LONG), "--temperature", "0", "--device", "cpu", "--dtype", "float32",
          "--num-kv-blocks", "64", "--tensor-parallel-size", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -44,7 +44,13 @@ def test_tp2_greedy_equals_tp1_and_transformers(
     results = {}
     for tp in (1, 2):
         # A small token budget also chunks the longer prefills across steps.
-        llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_num_batched_tokens=64)
+        llm = LLM(
+            model_dir,
+            device="cpu",
+            dtype="float32",
+            tensor_parallel_size=tp,
+            max_num_batched_tokens=64,
+        )
         try:
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
             results[tp] = [o.outputs[0].token_ids for o in outs]
@@ -59,23 +65,23 @@ def test_tp2_greedy_equals_tp1_and_transformers(
 def test_tp_size_must_divide_the_heads(tiny_model_factory: Callable[..., Path]) -> None:
     model_dir = tiny_model_factory("llama")  # 4 attention heads, 2 KV heads
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*attention heads \(4\)"):
-        EngineConfig.from_kwargs(model_dir, tensor_parallel_size=3)
+        EngineConfig.from_kwargs(model_dir, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*KV heads \(2\)"):
-        EngineConfig.from_kwargs(model_dir, tensor_parallel_size=4)
+        EngineConfig.from_kwargs(model_dir, device="cpu", tensor_parallel_size=4)
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         EngineConfig.from_kwargs(
-            model_dir, tensor_parallel_size=2, distributed_executor_backend="x"
+            model_dir, device="cpu", tensor_parallel_size=2, distributed_executor_backend="x"
         )
     with pytest.raises(ValueError, match="'uni' runs one worker"):
         EngineConfig.from_kwargs(
-            model_dir, tensor_parallel_size=2, distributed_executor_backend="uni"
+            model_dir, device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni"
         )
 
 
 def test_backend_defaults_follow_the_tp_size(tiny_llama: Path) -> None:
-    one = EngineConfig.from_kwargs(tiny_llama)
-    two = EngineConfig.from_kwargs(tiny_llama, tensor_parallel_size=2)
-    forced = EngineConfig.from_kwargs(tiny_llama, distributed_executor_backend="mp")
+    one = EngineConfig.from_kwargs(tiny_llama, device="cpu")
+    two = EngineConfig.from_kwargs(tiny_llama, device="cpu", tensor_parallel_size=2)
+    forced = EngineConfig.from_kwargs(tiny_llama, device="cpu", distributed_executor_backend="mp")
     assert one.parallel_config.distributed_executor_backend == "uni"
     assert executor_class(one) is UniProcExecutor
     assert two.parallel_config.distributed_executor_backend == "mp"
@@ -90,7 +96,11 @@ def executor(tiny_model_factory: Callable[..., Path]) -> Iterator[MultiprocExecu
     old = os.environ.get(name)
     os.environ[name] = module
     config = EngineConfig.from_kwargs(
-        tiny_model_factory("llama"), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64
+        tiny_model_factory("llama"),
+        device="cpu",
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_kv_blocks=64,
     )
     ex = MultiprocExecutor(config)
     try:
@@ -135,7 +145,9 @@ def test_shutdown_stops_every_worker_and_logs_name_the_rank(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(LOG_LEVEL_ENV, "INFO")  # workers log their KV cache size at INFO
-    config = EngineConfig.from_kwargs(tiny_llama, tensor_parallel_size=2, num_kv_blocks=16)
+    config = EngineConfig.from_kwargs(
+        tiny_llama, device="cpu", tensor_parallel_size=2, num_kv_blocks=16
+    )
     ex = MultiprocExecutor(config)
     procs = [psutil.Process(p.pid) for p in ex._procs if p.pid is not None]
     ex.initialize_kv_cache(16)

@@ -22,7 +22,9 @@ from asyncengine.testing.streams import kill_while_streaming
 
 pytestmark = pytest.mark.timeout(120)
 
-TP_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, tensor_parallel_size=2)
+TP_KW = dict(
+    device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=256, tensor_parallel_size=2
+)
 LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
 
@@ -125,7 +127,7 @@ import asyncio
 from asyncengine import AsyncLLM, SamplingParams
 
 async def main():
-    async with AsyncLLM.from_pretrained({model!r}, dtype="float32", max_model_len=256,
+    async with AsyncLLM.from_pretrained({model!r}, device="cpu", dtype="float32", max_model_len=256,
                                         num_kv_blocks=64, tensor_parallel_size=2) as engine:
         print("ready", flush=True)
         async for _ in engine.generate("hello", SamplingParams(max_tokens=240, ignore_eos=True)):

@@ -8,9 +8,9 @@ from types import ModuleType
 from typing import Any
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
-# Small and fast, with an in-process engine core.
+# Small and fast, with an in-process engine core, on the CPU on any machine.
 ENGINE_KW: dict[str, Any] = dict(
-    core="thread", dtype="float32", max_model_len=512, num_kv_blocks=256, seed=0
+    core="thread", device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=256, seed=0
 )
 
 

@@ -6,7 +6,7 @@ The Triton kernels run compiled on CUDA when a GPU is present, else under Triton
 `@triton.jit` decides between the two when a kernel module is imported, so one test process
 runs one of them: on a GPU-less machine this sets TRITON_INTERPRET=1 before any test module
 imports a kernel. Tests that take a `device` argument get "cuda" (marked `gpu`) or "cpu"
-(interpreted), whichever this process can run; the other is skipped.
+(interpreted), whichever this process can run; the other is skipped (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
@@ -27,21 +26,3 @@ if importlib.util.find_spec("triton") is None:
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(HAS_CUDA, reason="with a GPU the kernels run compiled, on it"),
-        id="interpreter",
-    ),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")],
-        id="cuda",
-    ),
-]
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)

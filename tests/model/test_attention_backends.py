@@ -1,5 +1,6 @@
 """The Triton attention backend gives the same greedy tokens as the torch backend and as
-transformers, through the whole engine (on CPU the kernels run under Triton's interpreter).
+transformers, through the whole engine: on a GPU (compiled; marked `gpu`) where there is one,
+else on the CPU (under Triton's interpreter). See `device` in tests/conftest.py.
 
 One small run covers every attention path: whole prefills, prefill chunks over a cached prefix
 (a small token budget splits the longer prompts), decodes next to prefills, and prefix-cache
@@ -23,7 +24,6 @@ pytest.importorskip("triton")
 
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _prompts() -> list[list[int]]:
@@ -37,12 +37,12 @@ def _transformers_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list
     return transformers_greedy(model_dir, prompts, NEW_TOKENS)
 
 
-def _engine_greedy(model_dir: Path, backend: str) -> list[list[list[int]]]:
+def _engine_greedy(model_dir: Path, backend: str, device: str) -> list[list[list[int]]]:
     """Two passes over the prompts (the second hits the prefix cache), token ids of each."""
     llm = LLM(
         model_dir,
         dtype="float32",
-        device=DEVICE,
+        device=device,
         attention_backend=backend,
         max_num_batched_tokens=16,
         num_kv_blocks=24,  # small: the interpreter copies each tensor argument back per launch
@@ -57,7 +57,7 @@ def _engine_greedy(model_dir: Path, backend: str) -> list[list[list[int]]]:
 
 @pytest.mark.timeout(300)
 def test_triton_backend_greedy_matches_torch_and_transformers(
-    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    device: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     used: list[str] = []
 
@@ -70,17 +70,17 @@ def test_triton_backend_greedy_matches_torch_and_transformers(
     monkeypatch.setattr(attention, "get_backend", spy)
     model_dir = tiny_model_factory("llama")
     expected = _transformers_greedy(model_dir, _prompts())
-    torch_passes = _engine_greedy(model_dir, "torch")
+    torch_passes = _engine_greedy(model_dir, "torch", device)
     assert used and set(used) == {"torch"}
     used.clear()
-    triton_passes = _engine_greedy(model_dir, "triton")
+    triton_passes = _engine_greedy(model_dir, "triton", device)
     assert used and set(used) == {"triton"}
     assert torch_passes == [expected, expected]
     assert triton_passes == [expected, expected]
 
 
-def test_backend_lookup() -> None:
-    assert get_backend("torch", torch.device(DEVICE)).name == "torch"
-    assert get_backend("triton", torch.device(DEVICE)).name == "triton"
+def test_backend_lookup(device: str) -> None:
+    assert get_backend("torch", torch.device(device)).name == "torch"
+    assert get_backend("triton", torch.device(device)).name == "triton"
     with pytest.raises(ValueError, match="attention_backend='flash'"):
-        get_backend("flash", torch.device(DEVICE))
+        get_backend("flash", torch.device(device))

@@ -53,7 +53,7 @@ def test_auto_on_cpu_uses_native_kernels_and_matches_transformers(
     expected = transformers_greedy(model_dir, _prompts(), NEW_TOKENS)
     # A small token budget splits the long prompts into chunks over a cached prefix; the
     # second pass hits the prefix cache; decodes run next to prefills.
-    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=24, num_kv_blocks=40)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=24, num_kv_blocks=40)
     for _ in range(2):
         outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
@@ -102,8 +102,9 @@ def test_cpu_backend_refuses_other_devices() -> None:
 def test_config_resolves_and_checks_the_cpu_backend(tiny_llama: Path) -> None:
     from asyncengine.config import EngineConfig
 
-    assert EngineConfig.from_kwargs(tiny_llama).model_config.attention_backend == "cpu"
-    explicit = EngineConfig.from_kwargs(tiny_llama, attention_backend="torch")
+    auto = EngineConfig.from_kwargs(tiny_llama, device="cpu")
+    assert auto.model_config.attention_backend == "cpu"
+    explicit = EngineConfig.from_kwargs(tiny_llama, device="cpu", attention_backend="torch")
     assert explicit.model_config.attention_backend == "torch"
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on CPU devices only"):
         EngineConfig.from_kwargs(tiny_llama, device="cuda", attention_backend="cpu")

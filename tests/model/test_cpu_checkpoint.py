@@ -151,10 +151,10 @@ def test_checkpoints_load_to_transformers_numbers(
         model.save_pretrained(model_dir, max_shard_size=shard)
     if case.startswith("sharded"):
         assert (model_dir / "model.safetensors.index.json").is_file()
-    config = EngineConfig.from_kwargs(str(model_dir)).model_config
+    config = EngineConfig.from_kwargs(str(model_dir), device="cpu").model_config
     assert cpu_checkpoint.lean_checkpoint_reason(config) is None
     if case.startswith("tied"):  # the lookup reads the lm_head's packed weight, where it can
-        bf16 = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+        bf16 = EngineConfig.from_kwargs(str(model_dir), device="cpu", dtype="bfloat16").model_config
         forward = cpu_checkpoint.load_cpu_forward(bf16)
         native = forward._lm_head.native  # type: ignore[attr-defined]
         assert (forward._embed_rows is not None) == (native is not None)
@@ -168,7 +168,7 @@ def test_checkpoints_it_does_not_take_load_through_transformers(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     def reason(model_dir: Path, **kwargs: Any) -> str | None:
-        config = EngineConfig.from_kwargs(str(model_dir), **kwargs).model_config
+        config = EngineConfig.from_kwargs(str(model_dir), device="cpu", **kwargs).model_config
         return cpu_checkpoint.lean_checkpoint_reason(config)
 
     assert reason(tiny_model_factory("llama")) is None
@@ -196,7 +196,7 @@ def test_checkpoints_it_does_not_take_load_through_transformers(
     _edit_config(quantised, quantization_config={"quant_method": "fp8"})
     assert "quantized" in (reason(quantised) or "")
     # Such a model still runs (through transformers' loading).
-    llm = LLM(yarn, dtype="float32")
+    llm = LLM(yarn, device="cpu", dtype="float32")
     try:
         runner = llm.engine.engine_core.executor.worker.model_runner  # type: ignore[attr-defined]
         # Loaded by transformers (and then run by whichever forward takes it).
@@ -212,7 +212,7 @@ import json, sys
 sys.path.insert(0, {root!r})
 from asyncengine import LLM, SamplingParams
 
-llm = LLM({model!r}, dtype="bfloat16", num_kv_blocks=8)
+llm = LLM({model!r}, device="cpu", dtype="bfloat16", num_kv_blocks=8)
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.engine_core.executor.worker.model_runner
 maps = open("/proc/self/maps").read()
@@ -251,7 +251,7 @@ def test_bf16_weights_without_packing_leave_no_file_mapped(
 
     monkeypatch.setattr(cpu_linear, "_PACKABLE", ())
     model_dir = build_tiny_model(tmp_path / "m", "llama", dtype="bfloat16")
-    config = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+    config = EngineConfig.from_kwargs(str(model_dir), device="cpu", dtype="bfloat16").model_config
     forward = cpu_checkpoint.load_cpu_forward(config)
     gc.collect()
     plain = (cpu_linear.DenseLinear, cpu_linear.NativeDenseLinear)  # (AVX2: packed, a copy)
@@ -303,7 +303,7 @@ def test_a_tied_table_without_packing_is_one_copy(
     model_dir = build_tiny_model(
         tmp_path / "m", "llama", dtype="bfloat16", tie_word_embeddings=True
     )
-    config = EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16").model_config
+    config = EngineConfig.from_kwargs(str(model_dir), device="cpu", dtype="bfloat16").model_config
     forward = cpu_checkpoint.load_cpu_forward(config)
     lm_head = forward._lm_head  # type: ignore[attr-defined]
     table = forward._embed_weight  # type: ignore[attr-defined]

@@ -109,7 +109,7 @@ def test_models_it_does_not_take_run_through_transformers(
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert "SiLU" in (cpu_forward.unsupported_reason(model) or "")
     assert "architecture" in (cpu_forward.unsupported_reason(nn.Linear(2, 2)) or "")
-    llm = LLM(model_dir, dtype="float32")
+    llm = LLM(model_dir, device="cpu", dtype="float32")
     try:
         runner = llm.engine.engine_core.executor.worker.model_runner  # type: ignore[attr-defined]
         assert isinstance(runner.model, TransformersModel)
@@ -184,7 +184,9 @@ def test_decodes_take_their_tokens_from_the_lm_head_screen(
     filtered = SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common)
 
     def tokens(params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32)
+        llm = LLM(
+            model_dir, device="cpu", dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32
+        )
         try:
             outs = llm.generate(_prompts(), params, use_tqdm=False)
             return [list(out.outputs[0].token_ids) for out in outs]

@@ -129,7 +129,7 @@ def test_bf16_engine_runs_packed_and_matches_unpacked(
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 
     def run() -> tuple[list[list[int]], list[float], int]:
-        llm = LLM(model_dir, dtype="bfloat16")
+        llm = LLM(model_dir, device="cpu", dtype="bfloat16")
         runner = llm.engine.engine_core.executor.worker.model_runner
         # The lean CPU forward, loaded straight from the checkpoint, holds the layers.
         assert isinstance(runner.model, CpuForward)

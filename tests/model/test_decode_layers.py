@@ -141,7 +141,7 @@ def test_it_takes_only_bf16_models_with_one_eps(
     """fp32 weights, or layers that disagree on their norm's eps: the Python loop."""
     model_dir = tiny_model_factory("llama")
     for dtype, expect in (("bfloat16", True), ("float32", False)):
-        llm = LLM(str(model_dir), dtype=dtype)
+        llm = LLM(str(model_dir), device="cpu", dtype=dtype)
         try:
             forward: Any = llm.engine.engine_core.executor.worker.model_runner.model
             assert isinstance(forward, cpu_forward.CpuForward)
@@ -162,7 +162,7 @@ def test_a_new_kv_cache_after_sleep_is_the_one_written(
 ) -> None:
     """The caches' addresses are read each step: after sleep (which frees the KV cache) and
     wake-up (a new one), the same prompts give the same tokens."""
-    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16")
+    llm = LLM(str(tiny_model_factory("llama")), device="cpu", dtype="bfloat16")
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         before = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
@@ -183,7 +183,7 @@ def test_row_limit_is_the_packed_layers(
     AMX, where oneDNN's tile kernels win from a few rows up); else up to MAX_TOKENS - 1."""
     if route == "packed":
         monkeypatch.setattr(cpu_linear, "NATIVE_MAX_ROWS_AMX", 4)
-    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16")
+    llm = LLM(str(tiny_model_factory("llama")), device="cpu", dtype="bfloat16")
     try:
         forward: Any = llm.engine.engine_core.executor.worker.model_runner.model
         native = forward.native_layers

@@ -25,7 +25,7 @@ BLOCK = 16
 
 
 def _config(model_dir: Path, **kwargs: object) -> ModelConfig:
-    return EngineConfig.from_kwargs(str(model_dir), **kwargs).model_config
+    return EngineConfig.from_kwargs(str(model_dir), device="cpu", **kwargs).model_config
 
 
 def test_the_choice_follows_the_config(tiny_model_factory: Callable[..., Path]) -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, {root!r})
 from asyncengine.config import EngineConfig
 from asyncengine.model.loader import import_model_code
 
-config = EngineConfig.from_kwargs({model!r}, num_kv_blocks=8)
+config = EngineConfig.from_kwargs({model!r}, device="cpu", num_kv_blocks=8)
 import_model_code(config.model_config, freeze={freeze})
 from transformers.utils.import_utils import is_kernels_available
 import asyncengine.kernels  # our kernels still import under their own name

@@ -23,7 +23,7 @@ MAX_TOKENS = 120
 
 @pytest.fixture(scope="module")
 def llm(ascii_llama: Path) -> LLM:
-    return LLM(ascii_llama, dtype="float32", max_model_len=256, max_num_seqs=16)
+    return LLM(ascii_llama, device="cpu", dtype="float32", max_model_len=256, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def small_pool_llm(ascii_llama: Path) -> LLM:
     # 10 blocks of 16 tokens for 16 requests of up to ~125 tokens: preemption is certain.
     return LLM(
         ascii_llama,
+        device="cpu",
         dtype="float32",
         max_model_len=160,
         num_kv_blocks=10,

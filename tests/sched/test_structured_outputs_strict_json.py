@@ -35,7 +35,7 @@ def bytes_llama(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(bytes_llama: Path) -> LLM:
-    return LLM(bytes_llama, dtype="float32", max_model_len=512, max_num_seqs=16)
+    return LLM(bytes_llama, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16)
 
 
 def _generate(llm: LLM, schema: dict[str, Any], seeds: range, max_tokens: int) -> list[Any]:

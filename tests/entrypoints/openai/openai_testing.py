@@ -26,8 +26,10 @@ API_KEY = "sk-test-key"
 MODEL_NAME = "tiny-chat"
 MAX_BODY = 64 * 1024
 # max_model_len 512 leaves room for long streams (the disconnect tests); 512 blocks of 16
-# tokens hold 64 concurrent streams many times over.
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", max_model_len=512, num_kv_blocks=512, seed=0)
+# tokens hold 64 concurrent streams many times over. On the CPU on any machine.
+ENGINE_KW: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=512, seed=0
+)
 
 
 @dataclass
@@ -124,7 +126,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 SERVE_FLAGS = [
-    "--port", "0", "--served-model-name", "tiny", "--no-access-log",
+    "--port", "0", "--served-model-name", "tiny", "--no-access-log", "--device", "cpu",
     "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "512",
 ]  # fmt: skip
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 
 FLAGS = [
     "--port", "0", "--served-model-name", "tiny", "--no-access-log",
-    "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
+    "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
     "--api-server-count", "2", "--data-parallel-size", "2", "--shutdown-timeout", "5",
 ]  # fmt: skip
 

@@ -63,10 +63,10 @@ async def test_models_never_show_the_model_folder(
 
 def test_build_app_checks_its_arguments(chat_model: Path) -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
-        build_app(chat_model, max_num_seqs=0)
+        build_app(chat_model, device="cpu", max_num_seqs=0)
     with pytest.raises(ValueError, match="max_request_body_bytes"):
-        build_app(chat_model, max_request_body_bytes=0)
-    engine = AsyncLLM.from_pretrained(chat_model)
+        build_app(chat_model, device="cpu", max_request_body_bytes=0)
+    engine = AsyncLLM.from_pretrained(chat_model, device="cpu")
     with pytest.raises(TypeError, match="engine options"):
         build_app(engine, dtype="float32")
 

@@ -124,7 +124,7 @@ def test_a_taken_port_fails_before_the_engine_loads(tiny_llama: Path) -> None:
         start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(tiny_llama),
-             "--port", str(port), "--dtype", "float32", "--num-kv-blocks", "64"],
+             "--port", str(port), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     assert proc.returncode == 1

@@ -77,7 +77,9 @@ def tiny(
     path = tmp_path_factory.mktemp("ascii-chat") / "model"
     shutil.copytree(model, path)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    engine = AsyncLLM.from_pretrained(path, core="thread", dtype="float32", max_model_len=1024)
+    engine = AsyncLLM.from_pretrained(
+        path, device="cpu", core="thread", dtype="float32", max_model_len=1024
+    )
     with run_in_thread(build_app(engine, served_model_name="tiny")) as running:
         yield running
 
