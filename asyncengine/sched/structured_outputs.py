@@ -192,9 +192,26 @@ class StructuredOutputManager:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        stop = list(self.eos_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids)
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
         )
+        # xgrammar takes special tokens (`<pad>`, `<|im_start|>`) for their text, so a JSON
+        # string could hold one; the detokenizer then drops it (skip_special_tokens) and the
+        # output no longer fits its schema. An empty token is one xgrammar never allows.
+        special = set(tokenizer.all_special_ids) - set(stop)
+        if special:
+            vocab = list(info.decoded_vocab)
+            for token_id in special:
+                if 0 <= token_id < len(vocab):
+                    vocab[token_id] = b""
+            info = xgrammar.TokenizerInfo(
+                vocab,
+                xgrammar.VocabType.RAW,
+                vocab_size=info.vocab_size,
+                stop_token_ids=stop,
+                add_prefix_space=info.add_prefix_space,
+            )
         # Our own cache holds compiled grammars (by text, shared futures); xgrammar's would
         # hold a second copy.
         threads = max(1, min(4, (os.cpu_count() or 1) - 1))
