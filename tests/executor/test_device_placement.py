@@ -109,7 +109,7 @@ def test_the_uniproc_worker_of_a_core_is_cuda_0_of_its_gpus(
     made: list[torch.device | None] = []
 
     class FakeWorker:
-        def __init__(self, *args: Any, device: torch.device | None = None) -> None:
+        def __init__(self, *args: Any, device: torch.device | None = None, **kw: Any) -> None:
             made.append(device)
 
         def load_model(self) -> None:
