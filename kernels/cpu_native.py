@@ -179,6 +179,23 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
     )),
     "ae_dense_panel_order": (None, (_ptr,)),  # int32 [16]: where each column of a panel sits
+    "ae_quant_paths": (_int, ()),  # bit p: path p built (quant_cpu.PATHS)
+    # path (-1: the best built; -2: none, a query) -> the path in effect, or -1 (not built)
+    "ae_quant_set_path": (_int, (_int,)),
+    "ae_quantize_rows_q8": (None, (
+        _int, _ptr, _i64, _i64, _i64,  # dtype code, x, its row stride, rows, K
+        _ptr, _ptr, _int,  # qs (int8 [rows][K]), d (fp32 [rows][K / 32]), threads
+    )),
+    "ae_linear_q8_0": (_int, (
+        _int, _ptr, _i64, _i64,  # dtype code, x, its row stride, rows
+        _ptr, _i64, _i64,  # weight (GGUF Q8_0 blocks, [N][K / 32]), N, K
+        _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
+    )),
+    "ae_linear_q4_0": (_int, (
+        _int, _ptr, _i64, _i64,  # as ae_linear_q8_0, over Q4_0 blocks
+        _ptr, _i64, _i64,
+        _ptr, _ptr, _i64, _int,
+    )),
 }  # fmt: skip
 
 
@@ -209,6 +226,12 @@ class NativeKernels:
     lm_head_quantize: Callable[..., None]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
+    # which quant_legacy.c paths were built (bit p: path p; see quant_cpu.PATHS)
+    quant_paths: int
+    quant_set_path: Callable[[int], int]
+    quantize_rows_q8: Callable[..., None]
+    linear_q8_0: Callable[..., int]
+    linear_q4_0: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
     # how many items the caller took over from helpers since the last call
     pool_test_delay_helpers: Callable[[int], int]
@@ -312,6 +335,11 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
         pool_test_delay_helpers=_function(lib, "ae_pool_test_delay_helpers"),  # type: ignore[arg-type]
+        quant_paths=int(_function(lib, "ae_quant_paths")()),  # type: ignore[func-returns-value,call-overload]
+        quant_set_path=_function(lib, "ae_quant_set_path"),  # type: ignore[arg-type]
+        quantize_rows_q8=_function(lib, "ae_quantize_rows_q8"),
+        linear_q8_0=_function(lib, "ae_linear_q8_0"),  # type: ignore[arg-type]
+        linear_q4_0=_function(lib, "ae_linear_q4_0"),  # type: ignore[arg-type]
     )
 
 

@@ -1,0 +1,413 @@
+/*
+ * Linear layers over GGUF's legacy block-quantized weights, Q8_0 and Q4_0, read as a GGUF file
+ * stores them: out = x @ W^T (+ bias), with x's rows quantized to int8 blocks on the way in,
+ * as llama.cpp does.
+ *
+ * Weights: W [N][K] is N rows of K / 32 blocks, row-major, nothing between rows (ggml's
+ * block_q8_0 and block_q4_0):
+ *   Q8_0, 34 bytes: fp16 scale d, then 32 int8 q; weight i = q[i] * d.
+ *   Q4_0, 18 bytes: fp16 scale d, then 16 bytes; byte j's low nibble is element j, its high
+ *   nibble element j + 16; weight = (nibble - 8) * d.
+ *
+ * Activations: each row of x is cut into blocks of 32 and each block quantized to int8 with
+ * one fp32 scale (ae_quantize_rows_q8: d = max|x| / 127, q = x * (127 / max|x|) rounded to
+ * nearest even, so q is in [-127, 127]). A weight block against an activation block is then an
+ * exact integer dot product times the two scales; the products of the blocks are summed in
+ * fp32 (in lanes, in block order; the scalar path in block order), the bias added in fp32, one
+ * rounding to the output dtype at the store.
+ *
+ * Paths, chosen per call (ae_quant_set_path; the best built one unless told otherwise): every
+ * one gives the same integer block dots, so they differ only in the order of the fp32 sums.
+ *   AVX512-VNNI (with VL, on 256-bit registers, one block each): vpdpbusd multiplies unsigned
+ *     by signed bytes, so the activations are offset to unsigned (a + 128, an xor) and
+ *     128 * sum(w) of the weight block, itself a vpdpbusd, is taken off: it is computed once
+ *     per weight block and shared by every row of x. Q4_0's nibbles are unsigned already:
+ *     nibble times a, less 8 * sum(a) (a vpdpbusd per activation block, shared by the tile's
+ *     weight rows).
+ *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs) on |w| and a with w's
+ *     sign (vpsignb): each pair is at most 2 * 128 * 127, inside int16, so nothing saturates.
+ *   Scalar: plain loops (any CPU; a build without AVX2).
+ * On 256-bit registers the VNNI path needs no more than AVX512VL: on AMD Zen 4 a 512-bit
+ * instruction takes two 256-bit passes anyway, and one-row products are bound by memory.
+ *
+ * Work: items of ROWS_PER_ITEM weight rows (more where N is huge), on linear.c's pool for up
+ * to AE_POOL_MAX_ROWS rows of x (a decode step: no thread waits for a preempted one), else on
+ * OpenMP. Within an item, tiles of up to 4 rows of x by C weight rows: each weight block is
+ * loaded (and unpacked) once per tile and used for all its rows of x, the tile's sums in
+ * registers; the item's weights stay in L2 between its row tiles.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#endif
+#endif
+
+#include "ae_kernels.h"
+#include "ae_vec.h"
+#include "linear.h"
+#include "pool.h"
+
+#define QK 32          /* weights per block */
+#define Q8_0_BYTES 34  /* fp16 d + 32 int8 */
+#define Q4_0_BYTES 18  /* fp16 d + 16 bytes of nibbles */
+#define ROWS_PER_ITEM 16
+#define MAX_R 4        /* rows of x per tile */
+#define MAX_C 4        /* weight rows per tile */
+
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
+
+static int best_path(void) {
+#if defined(HAVE_VNNI)
+    return PATH_VNNI;
+#elif defined(HAVE_AVX2)
+    return PATH_AVX2;
+#else
+    return PATH_SCALAR;
+#endif
+}
+
+/* The path the next calls take; -1 until set (the best). Atomic: set by tests between calls. */
+static int chosen_path = -1;
+
+static int current_path(void) {
+    const int p = __atomic_load_n(&chosen_path, __ATOMIC_RELAXED);
+    return p < 0 ? best_path() : p;
+}
+
+/* Bit p set for each path p this build has (1: scalar, 2: AVX2, 4: AVX512-VNNI). */
+int ae_quant_paths(void) {
+    int paths = 1 << PATH_SCALAR;
+#ifdef HAVE_AVX2
+    paths |= 1 << PATH_AVX2;
+#endif
+#ifdef HAVE_VNNI
+    paths |= 1 << PATH_VNNI;
+#endif
+    return paths;
+}
+
+/* Take path `path` (0 scalar, 1 AVX2, 2 AVX512-VNNI; -1 the best built) from the next call on;
+ * returns the path now in effect, or -1 (nothing changed) where this build lacks it. -2 changes
+ * nothing and returns the path in effect. */
+int ae_quant_set_path(int path) {
+    if (path == -2) return current_path();
+    if (path < -1 || (path >= 0 && (path > PATH_VNNI || !(ae_quant_paths() & (1 << path)))))
+        return -1;
+    __atomic_store_n(&chosen_path, path, __ATOMIC_RELAXED);
+    return current_path();
+}
+
+static ALWAYS_INLINE float f16_at(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+static ALWAYS_INLINE int64_t block_bytes(int fmt) {
+    return fmt == FMT_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
+}
+
+/* ---- activations ---- */
+
+/* One row of K values (dtype dt) as K / 32 int8 blocks (qs) and their fp32 scales (d). */
+static void quantize_row(int dt, const void *x, int64_t K, int8_t *restrict qs,
+                         float *restrict d) {
+    float buf[QK];
+    for (int64_t b = 0; b < K / QK; b++) {
+        load_f32((const char *)x + b * QK * elem_size(dt), buf, QK, dt);
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(buf[i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int i = 0; i < QK; i++) {
+            /* clamped: no undefined conversion of a NaN or infinity */
+            const float v = fminf(fmaxf(buf[i] * id, -127.0f), 127.0f);
+            qs[b * QK + i] = (int8_t)nearbyintf(v);
+        }
+    }
+}
+
+/*
+ * x's M rows (dtype dt, K values each, K a multiple of 32, row stride x_st elements) as int8
+ * blocks: qs [M][K] and one fp32 scale per block, d [M][K / 32] (see the top). What the
+ * products below compute on, for tests and references.
+ */
+void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
+                         float *d, int num_threads) {
+    const int team = M < num_threads ? (int)M : num_threads;
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, qs + m * K,
+                     d + m * (K / QK));
+}
+
+/* ---- one tile: R rows of x against C weight rows ---- */
+
+#ifdef HAVE_AVX2
+/* A Q4_0 block's 32 nibbles as bytes 0..15, in element order. */
+static ALWAYS_INLINE __m256i load_nibbles(const uint8_t *blk) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* A weight block's 32 values as signed bytes, in element order. */
+static ALWAYS_INLINE __m256i load_w(int fmt, const uint8_t *blk) {
+    if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    return _mm256_sub_epi8(load_nibbles(blk), _mm256_set1_epi8(8));
+}
+
+static ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One weight block's values as int8 (wq) and its scale. */
+static ALWAYS_INLINE float unpack_block(int fmt, const uint8_t *blk, int8_t *restrict wq) {
+    if (fmt == FMT_Q8_0) {
+        memcpy(wq, blk + 2, QK);
+    } else {
+        for (int j = 0; j < QK / 2; j++) {
+            wq[j] = (int8_t)((blk[2 + j] & 15) - 8);
+            wq[j + QK / 2] = (int8_t)((blk[2 + j] >> 4) - 8);
+        }
+    }
+    return f16_at(blk);
+}
+
+/*
+ * res[r * res_st + c] = the product of x row r (qa + r * K, scales da + r * nb) with weight row
+ * c (w + c * row_bytes), for r < R, c < C; nb blocks. R, C, fmt and path are constants in each
+ * inlined copy.
+ */
+static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const int C,
+                               const uint8_t *w, int64_t row_bytes, int64_t nb,
+                               const int8_t *qa, const float *da, int64_t K, float *res,
+                               int64_t res_st) {
+    const int64_t bb = block_bytes(fmt);
+#ifdef HAVE_AVX2
+    if (path != PATH_SCALAR) {
+        __m256 acc[MAX_R][MAX_C];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i wv[MAX_C], wx[MAX_C];
+            __m256 dw[MAX_C];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *blk = w + c * row_bytes + b * bb;
+                dw[c] = _mm256_set1_ps(f16_at(blk));
+#ifdef HAVE_VNNI
+                if (path == PATH_VNNI && fmt == FMT_Q4_0) { /* the nibbles as they are */
+                    wv[c] = load_nibbles(blk);
+                    continue;
+                }
+#endif
+                wv[c] = load_w(fmt, blk);
+#ifdef HAVE_VNNI
+                if (path == PATH_VNNI) { /* -128 * sum(w) per lane: undoes the offset of a */
+                    const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                            _mm256_set1_epi8((char)0x80), wv[c]);
+                    wx[c] = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+                    continue;
+                }
+#endif
+                wx[c] = _mm256_sign_epi8(wv[c], wv[c]); /* |w|; |-128| reads as 128 unsigned */
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * K + b * QK));
+                const __m256 d = _mm256_set1_ps(da[r * nb + b]);
+#ifdef HAVE_VNNI
+                if (path == PATH_VNNI && fmt == FMT_Q4_0) {
+                    /* nibble (unsigned) times a, less 8 * sum(a): -8 * sum(a) per lane first */
+                    const __m256i sum8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                             _mm256_set1_epi8(8), a);
+                    const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), sum8);
+                    for (int c = 0; c < C; c++) {
+                        const __m256i s = _mm256_dpbusd_epi32(neg, wv[c], a);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                                    _mm256_mul_ps(dw[c], d), acc[r][c]);
+                    }
+                    continue;
+                }
+                if (path == PATH_VNNI) {
+                    const __m256i au = _mm256_xor_si256(a, _mm256_set1_epi8((char)0x80));
+                    for (int c = 0; c < C; c++) {
+                        const __m256i s = _mm256_dpbusd_epi32(wx[c], au, wv[c]);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                                    _mm256_mul_ps(dw[c], d), acc[r][c]);
+                    }
+                    continue;
+                }
+#endif
+                for (int c = 0; c < C; c++) {
+                    const __m256i p = _mm256_maddubs_epi16(wx[c], _mm256_sign_epi8(a, wv[c]));
+                    const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[c], d),
+                                                acc[r][c]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) res[r * res_st + c] = hsum8(acc[r][c]);
+        return;
+    }
+#endif
+    (void)path;
+    float acc[MAX_R][MAX_C] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t wq[MAX_C][QK];
+        float dw[MAX_C];
+        for (int c = 0; c < C; c++) dw[c] = unpack_block(fmt, w + c * row_bytes + b * bb, wq[c]);
+        for (int r = 0; r < R; r++) {
+            const int8_t *a = qa + r * K + b * QK;
+            const float d = da[r * nb + b];
+            for (int c = 0; c < C; c++) {
+                int32_t s = 0;
+                for (int i = 0; i < QK; i++) s += (int32_t)wq[c][i] * a[i];
+                acc[r][c] += (float)s * (dw[c] * d);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) res[r * res_st + c] = acc[r][c];
+}
+
+/* tile() with R and C as constants: one inlined copy per (fmt, path, R, C) in use. */
+#define TILE_CASE(fmt, path, R, C)                                                         \
+    case (R) * 8 + (C):                                                                    \
+        tile(fmt, path, R, C, w, row_bytes, nb, qa, da, K, res, res_st);                   \
+        return;
+#define TILE_RS(fmt, path, C) \
+    TILE_CASE(fmt, path, 1, C) TILE_CASE(fmt, path, 2, C) TILE_CASE(fmt, path, 3, C) \
+    TILE_CASE(fmt, path, 4, C)
+
+static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, const uint8_t *w,
+                                  int64_t row_bytes, int64_t nb, const int8_t *qa,
+                                  const float *da, int64_t K, float *res, int64_t res_st) {
+    switch (R * 8 + C) {
+        TILE_RS(fmt, path, 1)
+        TILE_RS(fmt, path, 2)
+        TILE_RS(fmt, path, 4)
+        default: abort();
+    }
+}
+
+/* Weight rows per tile: four where the registers hold them (AVX2 has 16: 4 x 4 sums and the
+ * weights would spill, so two there for more than one row of x). */
+static ALWAYS_INLINE int tile_cols(int path, int64_t M) {
+    return path == PATH_AVX2 && M > 1 ? 2 : 4;
+}
+
+/* ---- the product, item by item ---- */
+
+struct quant_job {
+    const uint8_t *w;
+    const int8_t *qa;
+    const float *da;
+    const void *bias;
+    void *out;
+    int64_t M, N, K, o_st, per_item;
+    int fmt, path, dt;
+};
+
+static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, const int path,
+                                    int64_t n0, int64_t n1, float *res) {
+    const int64_t nb = j->K / QK, row_bytes = nb * block_bytes(fmt), cols = n1 - n0;
+    const int cmax = tile_cols(path, j->M);
+    for (int64_t m = 0; m < j->M; m += MAX_R) {
+        const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
+        const int8_t *qa = j->qa + m * j->K;
+        const float *da = j->da + m * nb;
+        int64_t n = n0;
+        for (; n + cmax <= n1; n += cmax)
+            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, j->K,
+                    res + m * cols + n - n0, cols);
+        for (; n < n1; n++) /* the item's last rows, one at a time */
+            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, j->K,
+                    res + m * cols + n - n0, cols);
+    }
+}
+
+static void quant_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
+    const struct quant_job *j = ctx;
+    const int64_t n0 = item * j->per_item;
+    const int64_t n1 = n0 + j->per_item < j->N ? n0 + j->per_item : j->N, cols = n1 - n0;
+    float *res = ae_thread_scratch((size_t)(j->M * cols + cols));
+    if (j->fmt == FMT_Q8_0) {
+        if (j->path == PATH_VNNI) item_rows(j, FMT_Q8_0, PATH_VNNI, n0, n1, res);
+        else if (j->path == PATH_AVX2) item_rows(j, FMT_Q8_0, PATH_AVX2, n0, n1, res);
+        else item_rows(j, FMT_Q8_0, PATH_SCALAR, n0, n1, res);
+    } else {
+        if (j->path == PATH_VNNI) item_rows(j, FMT_Q4_0, PATH_VNNI, n0, n1, res);
+        else if (j->path == PATH_AVX2) item_rows(j, FMT_Q4_0, PATH_AVX2, n0, n1, res);
+        else item_rows(j, FMT_Q4_0, PATH_SCALAR, n0, n1, res);
+    }
+    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
+    float *bias = res + j->M * cols;
+    if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
+    for (int64_t m = 0; m < j->M; m++) {
+        float *row = res + m * cols;
+        if (j->bias)
+            for (int64_t c = 0; c < cols; c++) row[c] += bias[c];
+        store_f32((char *)j->out + (m * j->o_st + n0) * elem_size(j->dt), row, cols, j->dt);
+    }
+    ae_commit_end(commit);
+}
+
+static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                        int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                        int num_threads) {
+    if (K % QK != 0 || K <= 0) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / QK;
+    /* the rows as int8 blocks where the item's threads read them: the pool's buffer when the
+     * caller holds the pool (a late helper may read it after this call), else fresh memory */
+    const size_t q_bytes = (size_t)(M * K), bytes = q_bytes + (size_t)(M * nb) * sizeof(float);
+    const int pooled = ae_linear_use_pool(M, num_threads);
+    char *buf = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
+    if (buf == NULL) {
+        if (pooled) ae_pool_release();
+        return -1;
+    }
+    int8_t *qa = (int8_t *)buf;
+    float *da = (float *)(buf + q_bytes); /* M * K is a multiple of 32: aligned for floats */
+    ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, pooled ? 1 : num_threads);
+    int64_t per_item = ROWS_PER_ITEM;
+    while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
+    const struct quant_job job = {w,  qa, da,       bias, out, M,   N,
+                                  K,  o_st, per_item, fmt,  current_path(), dt};
+    ae_linear_run_items(pooled, quant_item, &job, sizeof job, (N + per_item - 1) / per_item,
+                        num_threads);
+    if (pooled) ae_pool_release();
+    else free(buf);
+    return 0;
+}
+
+/*
+ * out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N, with W in Q8_0 (or Q4_0)
+ * blocks as described at the top and x's rows quantized to int8 blocks first.
+ * dt: the dtype of x, bias and out (fp32, bf16 or fp16); x [M][K] with row stride x_st; w:
+ * N rows of K / 32 blocks; bias: N values or NULL; out [M][N] with row stride o_st.
+ * Returns 0; -1 when out of memory; -2 when K is not a positive multiple of 32.
+ */
+int ae_linear_q8_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
+                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
+    return linear_quant(FMT_Q8_0, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+}
+
+int ae_linear_q4_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
+                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
+    return linear_quant(FMT_Q4_0, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+}

@@ -1,0 +1,213 @@
+"""Linear layers over GGUF's legacy block-quantized weights, Q8_0 and Q4_0, on CPU: the native
+kernels (`csrc/quant_legacy.c`), a torch reference, and the block formats themselves.
+
+A weight [N, K] is kept as a GGUF file stores it: a uint8 tensor [N, K / 32 * block bytes], N
+rows of K / 32 blocks (ggml's `block_q8_0`: an fp16 scale then 32 int8, 34 bytes; `block_q4_0`:
+an fp16 scale then 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, weight
+= (nibble - 8) * scale, 18 bytes), so a tensor can be read in place from the file's mapping.
+
+`linear_quant_cpu(x, qweight, qtype, bias)` is `x @ W^T + bias` as llama.cpp computes it: x's
+rows are quantized to int8 blocks of 32 with one fp32 scale each (`quantize_rows_q8_cpu`), a
+weight block against an activation block is an exact integer dot product times the two
+scales, and those are summed in fp32, rounded once to x's dtype. `linear_quant_torch` is the
+same in torch over the dequantized weight (the fallback without a C compiler, and the tests'
+reference); `quantize_input=False` gives the product of the unquantized x instead.
+
+The kernel's CPU path (`PATHS`: AVX512-VNNI, AVX2, scalar) is the best this build has, unless
+`ASYNCENGINE_QUANT_PATH` names another (read when the kernels are first used) or `set_path`
+picks one (tests); the paths differ only in the order of the fp32 sums.
+
+`quantize_weight` makes Q8_0 / Q4_0 bytes from an fp32 matrix the way ggml's reference
+quantizers do (round to nearest), for tests; `dequantize` reads them back as fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.kernels.cpu_native import DTYPE_CODES, NativeKernels, as_rows, require_native
+
+QK = 32  # weights per block
+Q8_0, Q4_0 = "q8_0", "q4_0"
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
+# The kernels' CPU paths, by their number in quant_legacy.c.
+PATHS = ("scalar", "avx2", "avx512_vnni")
+PATH_ENV = "ASYNCENGINE_QUANT_PATH"
+
+
+def _check_qtype(qtype: str) -> int:
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"unsupported quantization type {qtype!r} (supported: {Q8_0}, {Q4_0})")
+    return BLOCK_BYTES[qtype]
+
+
+def _round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (ties away from zero), which ggml's reference quantizers use."""
+    r = torch.round(v)  # ties to even
+    tie = (v - torch.trunc(v)).abs() == 0.5
+    return torch.where(tie, torch.trunc(v) + torch.sign(v), r)
+
+
+def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`weight` [N, K] (K a multiple of 32) as GGUF `qtype` blocks: uint8 [N, K / 32 * block
+    bytes], rounded as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` round."""
+    _check_qtype(qtype)
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    blocks = weight.float().reshape(n, k // QK, QK)  # [N, nb, 32]
+    if qtype == Q8_0:
+        d = blocks.abs().amax(-1, keepdim=True) / 127  # [N, nb, 1]
+        inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+        q = _round_half_away(blocks * inv).to(torch.int8).view(torch.uint8)
+    else:
+        # the value of largest magnitude (the first such), to -8
+        peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        d = peak / -8
+        inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+        nib = torch.trunc(blocks * inv + 8.5).clamp(max=15).to(torch.uint8)  # [N, nb, 32]
+        q = nib[..., : QK // 2] | (nib[..., QK // 2 :] << 4)
+    scale = d.half().view(torch.uint8)  # [N, nb, 2], little-endian
+    return torch.cat([scale, q], dim=-1).reshape(n, -1)
+
+
+def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF `qtype` blocks, uint8 [N, K / 32 * block bytes], as the fp32 weight [N, K]."""
+    block = _check_qtype(qtype)
+    n = qweight.shape[0]
+    blocks = qweight.reshape(n, -1, block)  # [N, nb, bytes]
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    body = blocks[..., 2:].contiguous()
+    if qtype == Q8_0:
+        q = body.view(torch.int8).float()
+    else:
+        q = torch.cat([body & 15, body >> 4], dim=-1).float() - 8
+    return (q * d).reshape(n, -1)
+
+
+def quantize_rows_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the kernels quantize it: int8 qs [M, K] and fp32 scales [M, K / 32], each
+    block d = max|x| / 127, q = x * (127 / max|x|) rounded to nearest even."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a tensor divided by a tensor: torch computes `127.0 / amax` as 127 * (1 / amax), which
+    # rounds differently from the kernels' one division
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    qs = torch.round((xb * inv).clamp(-127, 127)).to(torch.int8)
+    return qs.reshape(m, k), (amax / 127).reshape(m, -1)
+
+
+def dequantize_rows_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The fp32 values [M, K] of quantized activation rows (qs int8 [M, K], d [M, K / 32])."""
+    m, k = qs.shape
+    return (qs.float().reshape(m, -1, QK) * d.unsqueeze(-1)).reshape(m, k)
+
+
+def linear_quant_torch(
+    x: torch.Tensor,  # [..., K] fp32 / bf16 / fp16
+    qweight: torch.Tensor,  # uint8 [N, K / 32 * block bytes]
+    qtype: str,
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    quantize_input: bool = True,
+) -> torch.Tensor:  # [..., N], x's dtype
+    """`x @ W^T + bias` over the dequantized weight in fp32, with x's rows first quantized as
+    the kernels quantize them (`quantize_input=False`: x as it is)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if quantize_input:
+        rows = dequantize_rows_q8(*quantize_rows_q8_torch(rows))
+    out = F.linear(rows, dequantize(qweight, qtype), None if bias is None else bias.float())
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+@functools.cache
+def _kernels() -> NativeKernels:
+    """The native library, with the path of $ASYNCENGINE_QUANT_PATH taken (once)."""
+    lib = require_native()
+    name = os.environ.get(PATH_ENV, "").strip()
+    if name:
+        _set_path(lib, name)
+    return lib
+
+
+def available_paths() -> tuple[str, ...]:
+    """The kernels' CPU paths this build has (of `PATHS`), slowest first."""
+    bits = _kernels().quant_paths
+    return tuple(p for i, p in enumerate(PATHS) if bits & (1 << i))
+
+
+def set_path(name: str | None) -> str:
+    """Take path `name` (one of `available_paths()`; None: the best) from the next call on, in
+    this process; returns the path now in effect."""
+    return _set_path(_kernels(), name)
+
+
+def current_path() -> str:
+    """The path the kernels take now (of `PATHS`)."""
+    return PATHS[_kernels().quant_set_path(-2)]
+
+
+def _set_path(lib: NativeKernels, name: str | None) -> str:
+    if name is not None and name not in PATHS:
+        raise ValueError(f"unknown quantized-kernel path {name!r} (one of {', '.join(PATHS)})")
+    code = lib.quant_set_path(-1 if name is None else PATHS.index(name))
+    if code < 0:
+        raise ValueError(f"this build of the native kernels has no {name} path")
+    return PATHS[code]
+
+
+def quantize_rows_q8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_q8_torch` by the native kernel (the same numbers, bit for bit)."""
+    lib = _kernels()
+    rows = as_rows(x)
+    m, k = rows.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    qs = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // QK, dtype=torch.float32)
+    lib.quantize_rows_q8(
+        DTYPE_CODES[rows.dtype], rows.data_ptr(), rows.stride(0), m, k, qs.data_ptr(),
+        d.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return qs, d
+
+
+def linear_quant_cpu(
+    x: torch.Tensor,  # [..., K] fp32 / bf16 / fp16 on CPU, K a multiple of 32
+    qweight: torch.Tensor,  # uint8 [N, K / 32 * block bytes], contiguous
+    qtype: str,
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [..., N], x's dtype
+    """`x @ W^T + bias` by the native kernels (see the module docstring): one row runs as a
+    matrix-vector product on the work pool, more rows as tiles that load each weight block
+    once for up to four rows."""
+    block = _check_qtype(qtype)
+    lib = _kernels()
+    rows = as_rows(x)
+    m, k = rows.shape
+    n = qweight.shape[0]
+    if k % QK or qweight.dtype != torch.uint8 or qweight.shape != (n, k // QK * block):
+        raise ValueError(
+            f"a {qtype} weight for K={k} is uint8 [N, {k // QK * block}] (K a multiple of "
+            f"{QK}); got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    if not qweight.is_contiguous():
+        raise ValueError("the quantized weight must be contiguous")
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    out = torch.empty(m, n, dtype=x.dtype)
+    args = (
+        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), m, qweight.data_ptr(), n, k,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    status = lib.linear_q8_0(*args) if qtype == Q8_0 else lib.linear_q4_0(*args)
+    if status == -1:
+        raise MemoryError(f"linear_quant_cpu: no memory for [{m}, {k}] int8 activations")
+    if status != 0:
+        raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {QK}")
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,208 @@
+"""The Q8_0 / Q4_0 linear kernels (kernels/quant_cpu.py, csrc/quant_legacy.c): ggml's block
+formats bit for bit, the activation quantization, and products on awkward shapes on every CPU
+path this build has, against the dequantize-then-fp32 reference."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncengine.kernels import cpu_native, quant_cpu
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
+from asyncengine.kernels.quant_cpu import (
+    Q4_0,
+    Q8_0,
+    QK,
+    dequantize,
+    dequantize_rows_q8,
+    linear_quant_cpu,
+    linear_quant_torch,
+    quantize_rows_q8_cpu,
+    quantize_rows_q8_torch,
+    quantize_weight,
+)
+
+pytestmark = pytest.mark.timeout(120)
+native = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
+# Every path this build has (on an AVX2-only machine, no VNNI; in the portable build, scalar).
+PATHS_HERE = quant_cpu.available_paths() if load_native() is not None else ()
+
+
+@pytest.fixture(autouse=True)
+def _best_path_after() -> Iterator[None]:
+    yield
+    if load_native() is not None:
+        quant_cpu.set_path(None)
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+def test_weight_blocks_are_ggufs_bytes(qtype: str) -> None:
+    gguf_quants = pytest.importorskip("gguf.quants")
+    import gguf
+
+    torch.manual_seed(0)
+    w = torch.randn(9, 256) * 0.3
+    w[0, :32] = 0  # a zero block: scale 0
+    w[1, 5] = -3.0  # a block whose largest magnitude is negative
+    w[2, 40] = 3.0
+    kind = {Q8_0: gguf.GGMLQuantizationType.Q8_0, Q4_0: gguf.GGMLQuantizationType.Q4_0}[qtype]
+    theirs = torch.from_numpy(gguf_quants.quantize(w.numpy(), kind))
+    assert torch.equal(quantize_weight(w, qtype), theirs)
+    ref = torch.from_numpy(gguf_quants.dequantize(theirs.numpy(), kind))
+    assert torch.equal(dequantize(theirs, qtype), ref.float())
+
+
+def test_q4_0_low_nibbles_are_the_first_half_of_a_block() -> None:
+    block = torch.zeros(1, 18, dtype=torch.uint8)
+    block[0, :2] = torch.tensor([2.0], dtype=torch.float16).view(torch.uint8)
+    low = torch.arange(16, dtype=torch.uint8)
+    block[0, 2:] = low | (15 - low) << 4
+    w = dequantize(block, Q4_0)[0]
+    assert torch.equal(w[:16], (torch.arange(16) - 8).float() * 2)
+    assert torch.equal(w[16:], (7 - torch.arange(16)).float() * 2)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_activation_quantization_is_the_torch_one(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(5, 160) * torch.rand(5, 160) * 4).to(dtype)
+    x[1, 32:64] = 0  # a zero block
+    x[2, 7] = 1e4  # an outlier that flattens its block
+    qs, d = quantize_rows_q8_cpu(x)
+    ref_qs, ref_d = quantize_rows_q8_torch(x)
+    assert torch.equal(qs, ref_qs) and torch.equal(d, ref_d)
+    assert int(qs.abs().max()) == 127 and torch.all(d[1, 1] == 0)
+    # each value within half a step of its block's scale
+    err = (dequantize_rows_q8(qs, d) - x.float()).abs()
+    assert torch.all(err <= d.repeat_interleave(QK, dim=1) * 0.5001)
+
+
+def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None):
+    """The kernel's product in float64 (activations quantized as it does), and the sum of its
+    terms' magnitudes."""
+    qs, d = quantize_rows_q8_torch(x.float())
+    xq = (qs.double().reshape(len(x), -1, QK) * d.double().unsqueeze(-1)).reshape(x.shape)
+    w = dequantize(qweight, qtype).double()
+    out = xq @ w.T
+    if bias is not None:
+        out += bias.double()
+    return out, xq.abs() @ w.abs().T
+
+
+# (M, N, K): K a multiple of 32 but not of 256; N no multiple of the tiles (4) or of the items
+# (16); M across the pool (<= 8 rows) and OpenMP, and through the row tiles' remainders.
+SHAPES = [(1, 37, 96), (1, 300, 256), (2, 64, 1056), (7, 33, 160), (64, 19, 288)]
+
+
+@native
+@pytest.mark.parametrize("path", PATHS_HERE)
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_products_match_the_dequantized_reference(
+    shape: tuple[int, int, int], dtype: torch.dtype, qtype: str, path: str
+) -> None:
+    m, n, k = shape
+    torch.manual_seed(m * n + k)
+    x = torch.randn(m, k).to(dtype)
+    qweight = quantize_weight(torch.randn(n, k) * 0.05, qtype)
+    bias = (torch.randn(n) * 0.1).to(dtype) if m % 2 else None
+    assert quant_cpu.set_path(path) == path
+    out = linear_quant_cpu(x, qweight, qtype, bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+
+    # Tight: the same activation quantization, exact in float64; what is left is the order of
+    # the fp32 sums (and the one rounding to bf16).
+    exact, magnitude = _exact(x, qweight, qtype, bias)
+    rounding = torch.finfo(dtype).eps * exact.abs() if dtype == torch.bfloat16 else 0.0
+    err = (out.double() - exact).abs()
+    assert torch.all(err <= 2.0**-16 * magnitude + rounding), err.max()
+
+    # Loose: against the plain fp32 product over the dequantized weight, the activations'
+    # rounding (half a step of each block's scale per value) bounds the difference.
+    plain = F.linear(x.float(), dequantize(qweight, qtype), None if bias is None else bias.float())
+    _, d = quantize_rows_q8_torch(x.float())
+    step = d.repeat_interleave(QK, dim=1) * 0.5
+    bound = step @ dequantize(qweight, qtype).abs().T
+    loose_rounding = torch.finfo(dtype).eps * plain.abs() + 2.0**-16 * magnitude.float()
+    assert torch.all((out.float() - plain).abs() <= bound * 1.001 + loose_rounding)
+
+    # The torch backend's numbers are the kernel's up to the order of the sums.
+    fallback = linear_quant_torch(x, qweight, qtype, bias)
+    assert torch.all((fallback.double() - exact).abs() <= 2.0**-16 * magnitude + rounding * 2)
+
+
+@native
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+def test_paths_agree_on_a_decode_sized_layer(qtype: str) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(3, 1024)  # strided rows: a view of every other row of a wider batch
+    wide = torch.randn(3, 2048)
+    wide[:, :1024] = x
+    qweight = quantize_weight(torch.randn(130, 1024) * 0.02, qtype)
+    outs = []
+    for path in PATHS_HERE:
+        quant_cpu.set_path(path)
+        outs.append(linear_quant_cpu(wide[:, :1024], qweight, qtype))
+    exact, magnitude = _exact(x, qweight, qtype, None)
+    for out in outs:
+        assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+
+
+@native
+def test_bad_shapes_and_paths_are_refused() -> None:
+    qweight = quantize_weight(torch.randn(4, 64), Q8_0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        linear_quant_cpu(torch.randn(1, 48), quantize_weight(torch.randn(4, 64), Q8_0), Q8_0)
+    with pytest.raises(ValueError, match="uint8"):
+        linear_quant_cpu(torch.randn(1, 64), qweight, Q4_0)  # Q8_0 bytes read as Q4_0
+    with pytest.raises(ValueError, match="unsupported"):
+        linear_quant_cpu(torch.randn(1, 64), qweight, "q5_k")
+    with pytest.raises(ValueError, match="unknown"):
+        quant_cpu.set_path("amx")
+
+
+@native
+def test_the_environment_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert quant_cpu.current_path() == PATHS_HERE[-1]  # the best, unless told
+    monkeypatch.setenv(quant_cpu.PATH_ENV, "scalar")
+    quant_cpu._kernels.cache_clear()  # the variable is read when the kernels are first used
+    try:
+        assert quant_cpu.current_path() == "scalar"
+    finally:
+        monkeypatch.delenv(quant_cpu.PATH_ENV)
+        quant_cpu._kernels.cache_clear()
+
+
+@native
+def test_portable_build_computes_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SIMD paths are #ifdef'd: a build for an AVX2-only CPU (x86-64-v3: AVX2 and FMA, no
+    # AVX-512) has the AVX2 and scalar paths only, and must give the same numbers. (A build
+    # without AVX2 compiles the scalar path alone, which the native build runs too.)
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 -march names")
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_native.MARCH_ENV, "x86-64-v3")
+    cpu_native.load_native.cache_clear()
+    quant_cpu._kernels.cache_clear()
+    try:
+        assert quant_cpu.available_paths() == ("scalar", "avx2")
+        assert quant_cpu.current_path() == "avx2"
+        torch.manual_seed(5)
+        x = torch.randn(3, 160)
+        for qtype in (Q8_0, Q4_0):
+            qweight = quantize_weight(torch.randn(21, 160) * 0.05, qtype)
+            exact, magnitude = _exact(x, qweight, qtype, None)
+            for path in ("scalar", "avx2"):
+                quant_cpu.set_path(path)
+                out = linear_quant_cpu(x, qweight, qtype)
+                assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+    finally:
+        cpu_native.load_native.cache_clear()
+        quant_cpu._kernels.cache_clear()
