@@ -216,19 +216,8 @@ class ModelRunner:
         for i, n in enumerate(blocks):
             block_table[i, :n] = np.arange(first[i], first[i] + n)
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
-        rows = np.repeat(np.arange(len(lens)), lens)
-        slots = block_table[rows, positions // bs] * bs + positions % bs
         query_start_loc = [0, *np.cumsum(lens).tolist()]
-        attn = AttentionMetadata.build(
-            kv_caches=kv_caches,
-            slot_mapping=_to_device(slots, dev),
-            query_start_loc=query_start_loc,
-            seq_lens=lens,
-            block_table=_to_device(block_table, dev),
-            block_size=bs,
-            dtype=self.dtype,
-            backend=mc.attention_backend,
-        )
+        attn = self._attention(kv_caches, block_table, positions, lens, query_start_loc, lens)
         generator = np.random.default_rng(0)
         token_ids = generator.integers(0, mc.vocab_size, len(positions), dtype=np.int64)
         last = np.asarray(query_start_loc[1:], dtype=np.int64) - 1
@@ -398,7 +387,6 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> _BatchInputs:
-        bs = self.block_size
         req_ids = list(scheduler_output.num_scheduled_tokens)
         num_reqs = len(req_ids)
         states = [self.requests[r] for r in req_ids]
@@ -430,19 +418,8 @@ class ModelRunner:
                     prompt_rows.append((i, start + 1, targets, top_n))
         pos = np.concatenate(positions)  # [T]
         query_start_loc = [0, *np.cumsum(counts).tolist()]
-        row_of_token = np.repeat(np.arange(num_reqs), counts)  # [T]
-        slot_mapping = block_table[row_of_token, pos // bs] * bs + pos % bs  # [T]
         dev = self.device
-        attn = AttentionMetadata.build(
-            kv_caches=self.kv_caches,
-            slot_mapping=_to_device(slot_mapping, dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=_to_device(block_table, dev),
-            block_size=bs,
-            dtype=self.dtype,
-            backend=self.model_config.attention_backend,
-        )
+        attn = self._attention(self.kv_caches, block_table, pos, counts, query_start_loc, seq_lens)
         logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows] + prompt_indices
         return _BatchInputs(
             input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), dev),
@@ -451,6 +428,30 @@ class ModelRunner:
             logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), dev),
             sample_req_ids=[req_ids[i] for i in sample_rows],
             prompt_rows=prompt_rows,
+        )
+
+    def _attention(
+        self,
+        kv_caches: list[torch.Tensor],
+        block_table: np.ndarray,  # [B, max_blocks]
+        positions: np.ndarray,  # [T] each packed token's position in its sequence
+        counts: list[int],  # [B] packed tokens per sequence
+        query_start_loc: list[int],  # [B + 1]
+        seq_lens: list[int],  # [B] tokens in the cache after this step
+    ) -> AttentionMetadata:
+        """The step's attention metadata: each token's cache slot, and the backend's plan."""
+        bs = self.block_size
+        rows = np.repeat(np.arange(len(counts)), counts)  # [T]
+        slots = block_table[rows, positions // bs] * bs + positions % bs  # [T]
+        return AttentionMetadata.build(
+            kv_caches=kv_caches,
+            slot_mapping=_to_device(slots, self.device),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=_to_device(block_table, self.device),
+            block_size=bs,
+            dtype=self.dtype,
+            backend=self.model_config.attention_backend,
         )
 
     def _sample(
