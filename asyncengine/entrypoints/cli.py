@@ -263,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM or Ctrl-C, seconds to let requests in flight finish "
                             "before aborting them (default: 30)")  # fmt: skip
+    # The names are reasoning.py's REASONING_PARSERS (not imported: it would import starlette).
+    serve.add_argument("--reasoning-parser", metavar="NAME",
+                       help="split the model's <think>...</think> thinking into chat "
+                            "completions' reasoning_content: deepseek_r1 or qwen3 "
+                            "(default: none)")  # fmt: skip
     serve.add_argument(
         "--api-server-count",
         type=int,
@@ -455,8 +460,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from asyncengine.client.async_llm import AsyncLLM
     from asyncengine.entrypoints.openai import build_app
+    from asyncengine.entrypoints.openai.reasoning import reasoning_parser
     from asyncengine.entrypoints.openai.server import make_server
 
+    try:
+        reasoning_parser(args.reasoning_parser)
+    except ValueError as exc:
+        print(f"asyncengine serve: --reasoning-parser: {exc}", file=sys.stderr)
+        return 2
     # Fail before the engine loads (seconds to minutes) when the port is taken.
     busy = _port_in_use(args.host, args.port)
     if busy is not None:
@@ -482,6 +493,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
+        reasoning_parser=args.reasoning_parser,
     )
     server = make_server(
         app,
@@ -529,6 +541,7 @@ def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
         access_log=args.access_log,
         host=args.host,
         port=args.port,
+        reasoning_parser=args.reasoning_parser,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     manager = APIServerProcessManager(config, options, api_server_count=args.api_server_count)

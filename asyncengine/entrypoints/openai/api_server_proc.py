@@ -44,6 +44,7 @@ class ServerOptions(msgspec.Struct, gc=False):
     access_log: bool
     host: str
     port: int
+    reasoning_parser: str | None = None
 
 
 class APIServerLaunch(msgspec.Struct, gc=False):
@@ -92,6 +93,7 @@ def serve(launch: APIServerLaunch) -> None:
         allowed_hosts=options.allowed_hosts,
         metrics_dir=launch.metrics_dir,
         api_server_index=launch.client_index,
+        reasoning_parser=options.reasoning_parser,
     )
     server = make_server(
         app,

@@ -33,6 +33,7 @@ from asyncengine.client.async_llm import AsyncLLM
 from asyncengine.entrypoints.openai.errors import OpenAIError
 from asyncengine.entrypoints.openai.metrics import CONTENT_TYPE
 from asyncengine.entrypoints.openai.protocol import ModelCard, ModelList
+from asyncengine.entrypoints.openai.reasoning import reasoning_parser as reasoning_parser_named
 from asyncengine.entrypoints.openai.serving_chat import ChatServing
 from asyncengine.entrypoints.openai.serving_completion import CompletionServing
 from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
@@ -55,6 +56,7 @@ def build_app(
     allowed_hosts: Sequence[str] | None = None,
     metrics_dir: str | None = None,
     api_server_index: int = 0,
+    reasoning_parser: str | None = None,
     **engine_options: Any,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine`: an AsyncLLM, or a model folder to build one
@@ -68,7 +70,10 @@ def build_app(
     DNS rebinding, a web page that reaches a local server under a name of its own.
     `metrics_dir` and `api_server_index`: set by `serve --api-server-count`, whose API server
     processes share their metrics there (each scrape reports the sum).
+    `reasoning_parser` ("deepseek_r1", "qwen3"; see reasoning.py) splits a model's thinking
+    from its answer in chat completions; ValueError for an unknown name.
     """
+    parser = reasoning_parser_named(reasoning_parser)  # before a model is loaded for nothing
     if not isinstance(engine, AsyncLLM):
         engine = AsyncLLM.from_pretrained(engine, **engine_options)
     elif engine_options:
@@ -87,7 +92,7 @@ def build_app(
         Route("/v1/models", endpoints.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", endpoints.retrieve_model, methods=["GET"]),
         Route("/v1/completions", CompletionServing(state).create, methods=["POST"]),
-        Route("/v1/chat/completions", ChatServing(state).create, methods=["POST"]),
+        Route("/v1/chat/completions", ChatServing(state, parser).create, methods=["POST"]),
         Route("/health", endpoints.health, methods=["GET"]),
         Route("/metrics", endpoints.metrics, methods=["GET"]),
         Route("/version", endpoints.version, methods=["GET"]),

@@ -215,6 +215,10 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None  # null when the message is tool calls alone
     tool_calls: list[ToolCall] | None = None
+    # With a reasoning parser: the model's thinking, under both of the names clients read
+    # (DeepSeek's and vLLM's older `reasoning_content`, vLLM's newer `reasoning`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -251,6 +255,8 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking, as AssistantMessage's
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

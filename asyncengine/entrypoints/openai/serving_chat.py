@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: chat through the tokenizer's chat template, streamed or not.
 
 request body → ChatCompletionRequest → messages → chat template (jinja2) → token ids →
-run_prompts (one engine request, DELTA outputs) → `n` choices of assistant messages.
+run_prompts (one engine request, DELTA outputs) → `n` choices of assistant messages (with a
+reasoning parser: thinking → `reasoning_content`, the rest → content and tool calls).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from asyncengine.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     FunctionCall,
     TokenLogprob,
     ToolCall,
@@ -43,6 +45,7 @@ from asyncengine.entrypoints.openai.protocol import (
     Usage,
     sampling_params,
 )
+from asyncengine.entrypoints.openai.reasoning import Phase, ReasoningParser, ReasoningStream
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.entrypoints.openai.structured import (
     CONSTRAINED_STREAM_WAIT_S,
@@ -74,11 +77,13 @@ class _ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_stream: ToolCallStream | None = None  # when tools may be called
+    reasoning_stream: ReasoningStream | None = None  # with a reasoning parser
 
 
 class ChatServing:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, reasoning_parser: ReasoningParser | None = None) -> None:
         self.state = state
+        self.reasoning_parser = reasoning_parser
 
     async def create(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -89,11 +94,15 @@ class ChatServing:
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         params = _params(req, tools, state.engine.config.model_config.sampling_defaults)
         prompt = self._prompt(req, tools)
+        self._check_reasoning(req, tools, params, prompt)
         # Every field is checked by now: a streamed request is refused before its stream.
         check_request(
             state, [prompt], params, req.priority or 0, "messages", _max_tokens_field(req)
         )
-        run = _Run(state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools)
+        run = _Run(
+            state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools,
+            self.reasoning_parser,
+        )  # fmt: skip
         constrained = tools is not None and tools.choice != "auto"
         if req.stream:
             # A constrained request the engine refuses before its first token (a schema that
@@ -160,6 +169,36 @@ class ChatServing:
                 f"the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from None
         return EnginePrompt(prompt.token_ids, prompt.text)
+
+    def _check_reasoning(
+        self,
+        req: ChatCompletionRequest,
+        tools: ToolRequest | None,
+        params: SamplingParams,
+        prompt: EnginePrompt,
+    ) -> None:
+        """400 for a constrained output that the model would have to think inside: the
+        grammar applies from the first token, and the thinking comes first. Allowed when the
+        prompt has closed the thinking already (`chat_template_kwargs: {"enable_thinking":
+        false}` with Qwen3's template): then the whole output is the answer."""
+        parser = self.reasoning_parser
+        if parser is None or params.structured_outputs is None:
+            return
+        if parser.first_phase(prompt.text) is Phase.CONTENT:
+            return
+        if tools is not None and tools.constraint() is not None:
+            field_name = "tool_choice"
+        elif req.response_format is not None and req.response_format.get("type") != "text":
+            field_name = "response_format"
+        else:
+            field_name = "structured_outputs"
+        raise bad_request(
+            f"{field_name} constrains the output from its first token, and with the server's "
+            f"reasoning parser ({parser.name}) the output starts with the model's thinking: "
+            "give no constraint, or turn thinking off in the template "
+            '(chat_template_kwargs: {"enable_thinking": false})',
+            field_name,
+        )
 
 
 def _check_tool_calls(calls: list[dict[str, Any]], param: str) -> None:
@@ -239,12 +278,19 @@ class _Run:
         request_id: str,
         arrival: float,
         tools: ToolRequest | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.state, self.req, self.params, self.prompt = state, req, params, prompt
         self.request_id, self.arrival, self.created = request_id, arrival, created_now()
         self.tools = tools
+        self.reasoning_parser = reasoning_parser
         self.choices = [
-            _ChoiceState(tool_stream=ToolCallStream(tools) if tools is not None else None)
+            _ChoiceState(
+                tool_stream=ToolCallStream(tools) if tools is not None else None,
+                reasoning_stream=(
+                    reasoning_parser.stream(prompt.text) if reasoning_parser is not None else None
+                ),
+            )
             for _ in range(params.n)
         ]
 
@@ -300,6 +346,10 @@ class _Run:
 
     def _choice(self, index: int, c: _ChoiceState) -> ChatChoice:
         content: str | None = "".join(c.text)
+        reasoning: str | None = None
+        if self.reasoning_parser is not None and content is not None:
+            # Tool calls are looked for in the answer only, never in the thinking.
+            reasoning, content = self.reasoning_parser.extract(content, self.prompt.text)
         calls: list[ToolCall] = []
         finish_reason = c.finish_reason
         if self.tools is not None and finish_reason == "stop" and content is not None:
@@ -312,7 +362,12 @@ class _Run:
                 finish_reason = "tool_calls"
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content, tool_calls=calls or None),
+            message=AssistantMessage(
+                content=content,
+                tool_calls=calls or None,
+                reasoning_content=reasoning,
+                reasoning=reasoning,
+            ),
             logprobs=(
                 ChatLogprobs(content=c.logprobs or []) if self.params.logprobs is not None else None
             ),
@@ -334,15 +389,30 @@ class _Run:
         )
 
     def _delta(self, c: CompletionOutput) -> DeltaMessage:
-        """The message delta of a DELTA output: its text, or what tool calling makes of it."""
-        tool_stream = self.choices[c.index].tool_stream
+        """The message delta of a DELTA output: its text, split into thinking and answer by
+        the reasoning parser, the answer's part as tool calling makes of it."""
+        choice = self.choices[c.index]
+        reasoning, text = "", c.text
+        if choice.reasoning_stream is not None:
+            reasoning, text = choice.reasoning_stream.feed(c.text)
+            if c.finish_reason is not None:
+                more_reasoning, more_text = choice.reasoning_stream.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        tool_stream = choice.tool_stream
+        calls: list[DeltaToolCall] = []
         if tool_stream is None:
-            return DeltaMessage(content=c.text) if c.text else DeltaMessage()
-        content, calls = tool_stream.feed(c.text) if c.text else ("", [])
-        if c.finish_reason is not None:
-            more_content, more_calls = tool_stream.finish()
-            content, calls = content + more_content, calls + more_calls
-        return DeltaMessage(content=content or None, tool_calls=calls or None)
+            content = text
+        else:
+            content, calls = tool_stream.feed(text) if text else ("", [])
+            if c.finish_reason is not None:
+                more_content, more_calls = tool_stream.finish()
+                content, calls = content + more_content, calls + more_calls
+        return DeltaMessage(
+            content=content or None,
+            reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
+            tool_calls=calls or None,
+        )
 
     async def stream(self, emit: Emit) -> None:
         continuous_usage = self.req.continuous_usage
