@@ -35,7 +35,8 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs_first(client: openai.Op
     num_prompt = len(lp.tokens) - len(plain_lp.tokens)
     assert num_prompt == echoed.usage.prompt_tokens  # type: ignore[union-attr]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    for logprob, top in zip(lp.token_logprobs[1:num_prompt], lp.top_logprobs[1:num_prompt]):
+    pairs = zip(lp.token_logprobs[1:num_prompt], lp.top_logprobs[1:num_prompt], strict=True)
+    for logprob, top in pairs:
         assert logprob is not None and logprob <= 0.0
         assert top is not None and 1 <= len(top) <= 3
     # The completion's part is what it is without echo, its offsets after the prompt's text.
