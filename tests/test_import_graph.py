@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.config",
         "asyncengine.default_model",
         "asyncengine.errors",
+        "asyncengine.gguf",  # GGUF files read with the standard library (config reads them)
         "asyncengine.heap",
         "asyncengine.outputs",
         "asyncengine.paths",

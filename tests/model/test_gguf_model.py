@@ -15,8 +15,8 @@ from gguf import GGUFValueType as V  # noqa: E402
 from gguf import quants  # noqa: E402
 from test_gguf_files import ARCHITECTURES, expected_values, write_tiny_gguf  # noqa: E402
 
-from asyncengine.model.gguf import hf_row_order, hf_tensor_name, read_gguf  # noqa: E402
-from asyncengine.model.gguf.tensor_names import expected_hf_names  # noqa: E402
+from asyncengine.gguf import hf_row_order, hf_tensor_name, read_gguf  # noqa: E402
+from asyncengine.gguf.tensor_names import expected_hf_names  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

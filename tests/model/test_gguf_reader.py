@@ -21,13 +21,13 @@ from test_gguf_files import (  # noqa: E402
     write_tiny_gguf,
 )
 
-from asyncengine.model.gguf import (  # noqa: E402
+from asyncengine.gguf import (  # noqa: E402
     SUPPORTED_TYPES,
     GGMLType,
     GGUFError,
     read_gguf,
 )
-from asyncengine.model.gguf.ggml_types import BLOCK_LAYOUT  # noqa: E402
+from asyncengine.gguf.ggml_types import BLOCK_LAYOUT  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from test_gguf_files import SPECIAL, write_tiny_gguf  # noqa: E402
 
 from asyncengine.client.tokenizer import Tokenizer  # noqa: E402
-from asyncengine.model.gguf import read_gguf  # noqa: E402
+from asyncengine.gguf import read_gguf  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

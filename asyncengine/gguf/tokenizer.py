@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from asyncengine.model.gguf.errors import GGUFError
+from asyncengine.gguf.errors import GGUFError
 
 # tokenizer.ggml.model values transformers builds a tokenizer for (byte-level BPE, as in
 # Llama 3, Qwen and SmolLM; SentencePiece BPE, as in Llama 2 and Mistral).

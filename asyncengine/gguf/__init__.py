@@ -18,13 +18,13 @@ kernels to read in place.
 
 from __future__ import annotations
 
-from asyncengine.model.gguf.errors import GGUFError
-from asyncengine.model.gguf.ggml_types import SUPPORTED_TYPES, GGMLType
-from asyncengine.model.gguf.hf_config import SUPPORTED_ARCHITECTURES, hf_config
-from asyncengine.model.gguf.model import GGUFModel, GGUFTensor, read_gguf
-from asyncengine.model.gguf.reader import GGUFFile, parse_gguf
-from asyncengine.model.gguf.tensor_names import hf_row_order, hf_tensor_name
-from asyncengine.model.gguf.tokenizer import tokenizer_dir
+from asyncengine.gguf.errors import GGUFError
+from asyncengine.gguf.ggml_types import SUPPORTED_TYPES, GGMLType
+from asyncengine.gguf.hf_config import SUPPORTED_ARCHITECTURES, hf_config
+from asyncengine.gguf.model import GGUFModel, GGUFTensor, read_gguf
+from asyncengine.gguf.reader import GGUFFile, parse_gguf
+from asyncengine.gguf.tensor_names import hf_row_order, hf_tensor_name
+from asyncengine.gguf.tokenizer import tokenizer_dir
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

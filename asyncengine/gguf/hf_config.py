@@ -15,8 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from asyncengine.model.gguf.errors import GGUFError
-from asyncengine.model.gguf.ggml_types import GGMLType
+from asyncengine.gguf.errors import GGUFError
+from asyncengine.gguf.ggml_types import GGMLType
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _HF_ARCHITECTURE = {

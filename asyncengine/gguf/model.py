@@ -8,18 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncengine.model.gguf.errors import GGUFError
-from asyncengine.model.gguf.ggml_types import BLOCK_LAYOUT, GGMLType
-from asyncengine.model.gguf.hf_config import gguf_architecture, hf_config
-from asyncengine.model.gguf.reader import GGUFFile, TensorInfo, parse_gguf
-from asyncengine.model.gguf.tensor_names import (
+from asyncengine.gguf.errors import GGUFError
+from asyncengine.gguf.ggml_types import BLOCK_LAYOUT, GGMLType
+from asyncengine.gguf.hf_config import gguf_architecture, hf_config
+from asyncengine.gguf.reader import GGUFFile, TensorInfo, parse_gguf
+from asyncengine.gguf.tensor_names import (
     NON_PARAMETER_TENSORS,
     expected_hf_names,
     hf_row_order,
     hf_tensor_name,
     permuted_heads,
 )
-from asyncengine.model.gguf.tokenizer import check_tokenizer, tokenizer_dir
+from asyncengine.gguf.tokenizer import check_tokenizer, tokenizer_dir
 
 if TYPE_CHECKING:
     import numpy as np

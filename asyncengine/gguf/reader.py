@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncengine.model.gguf.errors import GGUFError
-from asyncengine.model.gguf.ggml_types import (
+from asyncengine.gguf.errors import GGUFError
+from asyncengine.gguf.ggml_types import (
     BLOCK_LAYOUT,
     GGMLType,
     supported_names,
