@@ -81,6 +81,20 @@ def _check_index(name: str, value: object, size: int) -> None:
         raise ValueError(f"{name}={value!r} is invalid: must be in [0, {size})")
 
 
+def _check_import_path(name: str, value: object) -> None:
+    """None, or "package.module:Class" / "package.module.Class" (imported where it is used)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not _IMPORT_PATH.fullmatch(value):
+        raise ValueError(
+            f"{name}={value!r} is invalid: must be an import path, 'package.module:Class' "
+            "or 'package.module.Class'"
+        )
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
+
+
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r}: must be True or False")
@@ -206,6 +220,9 @@ class ParallelConfig:
     # Compute threads of each worker (None: this machine's cores shared among every worker
     # of every rank on it, at least one each).
     num_threads: int | None = None
+    # "package.module:Class" (or "package.module.Class"): a class whose methods are mixed
+    # into every worker, callable through `collective_rpc` (worker/extension.py).
+    worker_extension_cls: str | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field whose value this config can't hold."""
@@ -213,6 +230,7 @@ class ParallelConfig:
         self._check_data_parallel()
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1)
+        _check_import_path("worker_extension_cls", self.worker_extension_cls)
 
     def _check_tensor_parallel(self) -> None:
         tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
@@ -378,6 +396,7 @@ class EngineConfig:
         data_parallel_fail_fast: bool = False,
         data_parallel_placement: str = "spread",
         num_threads: int | None = None,
+        worker_extension_cls: str | None = None,
         generation_config: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
@@ -432,6 +451,7 @@ class EngineConfig:
                 data_parallel_fail_fast=data_parallel_fail_fast,
                 data_parallel_placement=data_parallel_placement,
                 num_threads=num_threads,
+                worker_extension_cls=worker_extension_cls,
             ),
             frontend_config=FrontendConfig(max_queued_requests=max_queued_requests),
             step_timeout=step_timeout,

@@ -29,6 +29,7 @@ from asyncengine.client.cores.client import UNRESPONSIVE_AFTER_S, EngineCoreClie
 from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.client.cores.thread_client import ThreadCoreClient
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
+from asyncengine.client.llm_engine import rpc_arguments
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
@@ -524,6 +525,57 @@ class AsyncLLM:
         that running requests use stay theirs. Returns True."""
         return bool(await self._call_utility("reset_prefix_cache"))
 
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> list[Any]:
+        """Call `method` of the worker extension (`worker_extension_cls`) on every worker;
+        one result per worker, in tensor-parallel rank order.
+
+        With data parallel the call runs on every live rank's workers, and the list is the
+        first live rank's (as vLLM). Arguments and results cross processes as msgpack:
+        TypeError naming the method for ones msgspec cannot encode; tuples arrive as lists.
+        ValueError naming the method, and listing the callable ones, for any other method
+        (the engine's own, such as load_model or execute_model, are never callable).
+        TimeoutError past `timeout` seconds: the call is abandoned, not interrupted (the
+        workers finish it, then serve on). RuntimeError with the worker's error when the
+        method raises. The engine serves on after every one of these errors.
+        """
+        # Checked here for every core kind (a thread core would not encode them).
+        wire_args, wire_kwargs = rpc_arguments(method, args, kwargs)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} is invalid: must be seconds > 0 or None")
+        call = self._call_utility("collective_rpc", method, wire_args, wire_kwargs, timeout)
+        if timeout is None:
+            return list(await call)
+        try:
+            # The core enforces it with worker processes; here it also holds in-process.
+            with anyio.fail_after(timeout):
+                return list(await call)
+        except TimeoutError:
+            raise TimeoutError(
+                f"collective_rpc({method!r}) did not finish within {timeout} s"
+            ) from None
+
+    async def start_profile(self, profile_dir: str | os.PathLike[str] | None = None) -> None:
+        """Start torch.profiler in every worker (of every data-parallel rank); `stop_profile()`
+        writes one chrome trace per worker into `profile_dir` (made if missing), named
+        `dp{rank}-tp{worker}.{time_ns}.pt.trace.json`. ValueError without `profile_dir`;
+        RuntimeError if a profile is already running."""
+        if profile_dir is None:
+            raise ValueError(
+                "start_profile() needs a profile_dir: the folder the traces are written to"
+            )
+        await self._call_utility("start_profile", str(await anyio.Path(profile_dir).absolute()))
+
+    async def stop_profile(self) -> None:
+        """Stop the profile `start_profile()` started and write its traces (RuntimeError if
+        none is running)."""
+        await self._call_utility("stop_profile")
+
     async def _call_utility(self, method: str, *args: Any) -> Any:
         self._check_running()
         assert self._core_client is not None
@@ -539,6 +591,8 @@ class AsyncLLM:
             raise EngineDeadError(waiter.dead)
         assert waiter.result is not None
         if waiter.result.error is not None:
+            if method in _TYPED_ERROR_UTILITIES:
+                raise _utility_error(method, waiter.result.error)
             raise RuntimeError(f"engine core {method}() failed: {waiter.result.error}")
         return waiter.result.result
 
@@ -688,3 +742,24 @@ class AsyncLLM:
             if waiter.result is None:  # an answer that arrived before the death stands
                 waiter.dead = reason
                 waiter.event.set()
+
+
+# The errors of these utility methods that reach the caller as themselves (the core sends
+# "TypeName: message", "rank N: TypeName: message" with data parallel); others, and every
+# error of the other utility methods, are RuntimeErrors.
+_TYPED_ERROR_UTILITIES = frozenset({"collective_rpc", "start_profile", "stop_profile"})
+_UTILITY_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "TimeoutError": TimeoutError,
+}
+
+
+def _utility_error(method: str, error: str) -> Exception:
+    rest = error
+    if rest.startswith("rank "):
+        rest = rest.partition(": ")[2]
+    kind, sep, message = rest.partition(": ")
+    if sep and kind in _UTILITY_ERRORS:
+        return _UTILITY_ERRORS[kind](message)
+    return RuntimeError(f"engine core {method}() failed: {error}")

@@ -7,7 +7,10 @@ OutputProcessor → RequestOutputs (stop-string hits are aborted in the core).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from asyncengine.client.chat import ChatPrompt
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
@@ -85,3 +88,20 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def rpc_arguments(
+    method: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """`collective_rpc`'s arguments as a worker sees them (what msgpack gives back: tuples
+    become lists); TypeError naming `method` for any that msgspec cannot encode."""
+    if not isinstance(method, str):
+        raise TypeError(f"collective_rpc: method must be a str, not {type(method).__name__}")
+    try:
+        wire = msgspec.msgpack.encode((list(args), dict(kwargs or {})))
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise TypeError(
+            f"collective_rpc({method!r}): an argument msgspec cannot encode: {exc}"
+        ) from None
+    wire_args, wire_kwargs = msgspec.msgpack.decode(wire)
+    return wire_args, wire_kwargs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.cpu_threads import ThreadGovernor
@@ -117,6 +118,30 @@ class EngineCore:
     def wake_up(self) -> None:
         """Restore what `sleep()` released."""
         self.executor.collective_rpc("wake_up")
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """A worker extension's `method` on every worker: one result each, in TP rank order.
+
+        ValueError unless `method` is the extension's (or allowlisted); TimeoutError past
+        `timeout` (worker processes only: the call is abandoned, the workers finish it before
+        their next step); TypeError when a result can't be encoded; RuntimeError with the
+        worker's error when the method raises."""
+        return self.executor.call_extension(method, args, kwargs, timeout)
+
+    def start_profile(self, profile_dir: str) -> None:
+        """torch.profiler on every worker, until `stop_profile()` writes the traces."""
+        rank = self.config.parallel_config.data_parallel_rank
+        self.executor.collective_rpc("start_profile", args=(profile_dir, rank))
+
+    def stop_profile(self) -> list[str]:
+        """Stop every worker's profile; the trace files written, in TP rank order."""
+        return [str(path) for path in self.executor.collective_rpc("stop_profile")]
 
     def shutdown(self) -> None:
         try:

@@ -294,6 +294,17 @@ class EngineCoreLoop:
     def _utility_wake_up(self) -> None:
         self.engine_core.wake_up()
 
+    def _utility_collective_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], timeout: float | None
+    ) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args, kwargs, timeout)
+
+    def _utility_start_profile(self, profile_dir: str) -> None:
+        self.engine_core.start_profile(profile_dir)
+
+    def _utility_stop_profile(self) -> list[str]:
+        return self.engine_core.stop_profile()
+
 
 # ---- the process ------------------------------------------------------------------------------
 

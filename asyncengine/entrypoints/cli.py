@@ -106,6 +106,9 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-threads", dict(dest="num_threads", type=int, metavar="N",
                            help="compute threads per worker (default: the machine's cores "
                                 "shared among every worker of every rank on it)")),
+    ("--worker-extension-cls", dict(dest="worker_extension_cls", metavar="MODULE:CLASS",
+                                    help="a class whose methods are mixed into every worker, "
+                                         "for AsyncLLM.collective_rpc (docs/async.md)")),
     ("--generation-config", dict(dest="generation_config", metavar="SOURCE",
                                  help="where requests' sampling defaults come from: auto (the "
                                       "model's generation_config.json), vllm (none), or a "

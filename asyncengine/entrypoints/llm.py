@@ -9,7 +9,7 @@ from typing import Any
 
 from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
 from asyncengine.client.input_processor import Prompt
-from asyncengine.client.llm_engine import LLMEngine
+from asyncengine.client.llm_engine import LLMEngine, rpc_arguments
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from asyncengine.ipc.messages import EngineStats
@@ -146,6 +146,31 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's contents (blocks in use stay allocated); returns True."""
         return self.engine.engine_core.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """`AsyncLLM.collective_rpc`, synchronously: a worker extension's `method` on every
+        worker, one result each in rank order. `timeout` holds with worker processes
+        (tensor_parallel_size > 1); the one in-process worker cannot be interrupted."""
+        wire_args, wire_kwargs = rpc_arguments(method, args, kwargs)
+        return self.engine.engine_core.collective_rpc(method, wire_args, wire_kwargs, timeout)
+
+    def start_profile(self, profile_dir: str | os.PathLike[str] | None = None) -> None:
+        """`AsyncLLM.start_profile`: torch.profiler in every worker until `stop_profile()`."""
+        if profile_dir is None:
+            raise ValueError(
+                "start_profile() needs a profile_dir: the folder the traces are written to"
+            )
+        self.engine.engine_core.start_profile(os.path.abspath(os.fspath(profile_dir)))
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile and write one chrome trace per worker; their paths."""
+        return self.engine.engine_core.stop_profile()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

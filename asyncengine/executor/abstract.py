@@ -8,6 +8,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.ipc.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from asyncengine.worker.extension import UnencodableResultError, check_method
 
 FailureCallback = Callable[[], None]
 # Computes a step's grammar bitmask (structured outputs) from the grammars' state, which the
@@ -66,6 +67,34 @@ class Executor(ABC):
         timeout: float | None = None,
     ) -> list[Any]:
         """Call `method` on every worker; one result per worker, rank order."""
+
+    def call_extension(
+        self,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """The public collective_rpc: a worker extension's `method` on every worker (see
+        EngineCore.collective_rpc for the errors); the engine's own methods are refused."""
+        check_method(self.config.parallel_config.worker_extension_cls, method)
+        try:
+            return self.collective_rpc(
+                "call_extension", args=(method, args, kwargs), timeout=timeout
+            )
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            # From a worker process, the error arrives as text (WorkerError).
+            if isinstance(exc, UnencodableResultError) or UnencodableResultError.__name__ in str(
+                exc
+            ):
+                raise TypeError(
+                    f"collective_rpc({method!r}): a worker returned a result msgspec cannot "
+                    "encode (return plain data: None, bool, int, float, str, bytes, lists, "
+                    "dicts, msgspec Structs)"
+                ) from exc
+            raise RuntimeError(f"collective_rpc({method!r}) failed in a worker: {exc}") from exc
 
     # True: execute_model runs a grammar fill beside the forward pass (the scheduler then
     # leaves it to the executor); False: the scheduler fills the bitmask itself.

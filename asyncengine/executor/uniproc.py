@@ -9,6 +9,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.executor.abstract import Executor, GrammarFill
 from asyncengine.executor.placement import worker_device
 from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.worker.extension import with_extension
 from asyncengine.worker.worker import Worker
 
 
@@ -35,7 +36,9 @@ class UniProcExecutor(Executor):
         c = self.config
         # The core's one worker: cuda:0 of the GPUs this core sees (executor/placement.py).
         device = worker_device(c.device_config.device, 0)
-        self.worker = Worker(
+        # With a worker_extension_cls, its methods mixed in (collective_rpc calls them).
+        worker_cls = with_extension(Worker, c.parallel_config.worker_extension_cls)
+        self.worker: Worker = worker_cls(
             c.model_config,
             c.cache_config,
             c.device_config,

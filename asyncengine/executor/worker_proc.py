@@ -108,6 +108,7 @@ def _start(
     import torch
 
     from asyncengine.executor.placement import worker_device
+    from asyncengine.worker.extension import with_extension
     from asyncengine.worker.parallel import create_store, join_group
     from asyncengine.worker.worker import Worker
 
@@ -127,7 +128,9 @@ def _start(
     # cuda:rank of the GPUs this rank's core sees: its own (executor/placement.py).
     device = worker_device(config.device_config.device, rank)
     tp = join_group(rank, world_size, store, device)
-    worker = Worker(
+    # With a worker_extension_cls, its methods mixed in (collective_rpc calls them).
+    worker_cls = with_extension(Worker, config.parallel_config.worker_extension_cls)
+    worker: Worker = worker_cls(
         config.model_config,
         config.cache_config,
         config.device_config,

@@ -5,14 +5,18 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable
+from typing import Any
 
+import msgspec
 import torch
 
 from asyncengine.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from asyncengine.heap import release_free_heap
 from asyncengine.ipc.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from asyncengine.worker import gpu_memory
+from asyncengine.worker.extension import UnencodableResultError
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.worker.parallel import TensorParallelGroup
 
@@ -44,6 +48,7 @@ class Worker:
         )
         self._num_kv_blocks = 0
         self._sleep_level = 0  # 0: awake; 1: KV cache released; 2: the weights too
+        self._profiler: tuple[torch.profiler.profile, str] | None = None  # and its trace path
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -135,6 +140,40 @@ class Worker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def call_extension(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """`collective_rpc`'s way in (the core has checked that `method` is callable): its
+        result as msgpack gives it back (UnencodableResultError, a TypeError, if it can't)."""
+        result = getattr(self, method)(*args, **kwargs)
+        try:
+            return msgspec.msgpack.decode(msgspec.msgpack.encode(result))
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise UnencodableResultError(
+                f"collective_rpc({method!r}): worker rank {self.rank} returned a "
+                f"{type(result).__name__}, which msgspec cannot encode: {exc}"
+            ) from None
+
+    def start_profile(self, profile_dir: str, data_parallel_rank: int = 0) -> None:
+        """Start torch.profiler; `stop_profile()` writes the chrome trace into `profile_dir`."""
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running: stop_profile() first")
+        os.makedirs(profile_dir, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        name = f"dp{data_parallel_rank}-tp{self.rank}.{time.time_ns()}.pt.trace.json"
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+        self._profiler = (profiler, os.path.join(profile_dir, name))
+
+    def stop_profile(self) -> str:
+        """Stop the profile `start_profile()` started; the trace file's path."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is running: start_profile() first")
+        (profiler, path), self._profiler = self._profiler, None
+        profiler.stop()
+        profiler.export_chrome_trace(path)
+        return path
 
 
 def _release_memory(device: torch.device) -> None:
