@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncengine.default_model import resolve_model
+from asyncengine.gguf.serving import gguf_hf_config, is_gguf_file
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -595,6 +596,8 @@ def _resolve_attention_backend(backend: str, device: str) -> str:
 
 
 def _read_hf_config(model_dir: Path) -> dict[str, Any]:
+    if is_gguf_file(model_dir):  # resolve_model checked it: its config is its metadata's
+        return gguf_hf_config(model_dir)
     if not model_dir.is_dir():
         raise ValueError(
             f"model={str(model_dir)!r} is not a directory: give a local Hugging Face model "

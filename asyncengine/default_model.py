@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from asyncengine.gguf.serving import find_gguf, resolve_gguf
 from asyncengine.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "default"
@@ -39,12 +40,17 @@ SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
-    """The folder a `model` argument names: "default" is the default model's (converted on
-    first use, in a child process: the caller's process never imports torch for it), unless
-    a file or folder of that name exists; anything else is a path."""
+    """The folder (or GGUF file) a `model` argument names: "default" is the default model's
+    (converted on first use, in a child process: the caller's process never imports torch for
+    it), unless a file or folder of that name exists; a `.gguf` file, or a folder holding one
+    and no safetensors, is that file, checked and with its tokenizer folder built (in a child
+    process too: see `gguf.serving`); anything else is a path."""
     path = Path(model).expanduser()
     if os.fspath(model) == DEFAULT_MODEL_NAME and not path.exists():
         return default_model_dir(convert_in_child=True)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return resolve_gguf(gguf_file)
     return path
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from asyncengine.gguf.serving import tokenizer_folder
+
 
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
@@ -26,7 +28,7 @@ class Tokenizer:
     """Encode/decode for one model folder; `apply_chat_template` as in transformers."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
+        model_dir = tokenizer_folder(model_dir)  # a GGUF file's: the folder built from it
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ValueError(

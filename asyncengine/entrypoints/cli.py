@@ -459,7 +459,6 @@ def run_serve(args: argparse.Namespace) -> int:
             "pip install starlette uvicorn (the `serve` extra: pip install -e '.[serve]' in a "
             "checkout)"
         ) from None
-    from pathlib import Path
 
     from asyncengine.client.async_llm import AsyncLLM
     from asyncengine.entrypoints.openai import build_app
@@ -490,9 +489,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_server_count != 1:
         return _serve_api_servers(args, model)
     engine = AsyncLLM.from_pretrained(model, **engine_kwargs)
+    from asyncengine.gguf.serving import served_model_name
+
     app = build_app(
         engine,
-        served_model_name=args.served_model_name or Path(args.model).name or args.model,
+        served_model_name=args.served_model_name or served_model_name(args.model),
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
@@ -514,11 +515,10 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
     """`serve --api-server-count K`: K API server processes over the engine cores, under a
     manager process (this one)."""
-    from pathlib import Path
-
     from asyncengine.config import EngineConfig
     from asyncengine.entrypoints.api_server_manager import APIServerProcessManager
     from asyncengine.entrypoints.openai.api_server_proc import ServerOptions
+    from asyncengine.gguf.serving import served_model_name
 
     if args.api_server_count < 1:
         print(
@@ -535,7 +535,7 @@ def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
         )
         return 2
     options = ServerOptions(
-        served_model_name=args.served_model_name or Path(args.model).name or args.model,
+        served_model_name=args.served_model_name or served_model_name(args.model),
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),

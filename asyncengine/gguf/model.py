@@ -71,6 +71,11 @@ class GGUFTensor:
         )
         return flat.reshape(self.num_rows, self.row_nbytes)
 
+    def memoryview(self) -> memoryview:
+        """The tensor's bytes as a read-only memoryview of the file's mapping (for
+        `torch.frombuffer`); while it lives, the mapping stays."""
+        return memoryview(self._file.buffer)[self.offset : self.offset + self.nbytes]
+
     def view(self) -> npt.NDArray[Any]:
         """A zero-copy array of the values of an F32 / F16 tensor (BF16: its uint16 bit
         patterns, for torch's `.view(torch.bfloat16)`), of `shape`; quantized: `data()`."""

@@ -88,8 +88,8 @@ def tokenizer_dir(
     changed file gets a new one. Raises `GGUFError` if the file carries no usable tokenizer."""
     path = Path(path)
     check_tokenizer(path, metadata)
-    target = Path(cache) / f"{path.stem}-tokenizer-{_identity(path)}"
-    if (target / _MARKER).is_file():
+    target = tokenizer_target(path, cache)
+    if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -105,6 +105,17 @@ def tokenizer_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def tokenizer_target(path: str | os.PathLike[str], cache: str | os.PathLike[str]) -> Path:
+    """Where `tokenizer_dir` keeps the tokenizer folder of the file `path` under `cache`."""
+    path = Path(path)
+    return Path(cache) / f"{path.stem}-tokenizer-{_identity(path)}"
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` is a tokenizer folder `tokenizer_dir` finished writing."""
+    return (folder / _MARKER).is_file()
 
 
 def _identity(path: Path) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from asyncengine.config import ModelConfig
+from asyncengine.gguf.serving import is_gguf_file
 from asyncengine.heap import libc_function, release_free_heap
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
 from asyncengine.model.cpu_linear import PackedLinear, linear_layer, packs
@@ -48,7 +49,12 @@ def lean_checkpoint_reason(model_config: ModelConfig) -> str | None:
     """Why `load_cpu_forward` cannot build this model (None: it can).
 
     Reads config.json and the safetensors headers only: no tensor data, no torch ops.
+    A GGUF file: `gguf_checkpoint.gguf_reason` (its header only).
     """
+    if is_gguf_file(model_config.model):
+        from asyncengine.model.gguf_checkpoint import gguf_reason
+
+        return gguf_reason(model_config)
     try:
         _Plan.make(model_config)
     except _NotLean as exc:
@@ -61,6 +67,10 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
 
     ValueError when `lean_checkpoint_reason` gives a reason.
     """
+    if is_gguf_file(model_config.model):
+        from asyncengine.model.gguf_checkpoint import load_gguf_forward
+
+        return load_gguf_forward(model_config)
     try:
         plan = _Plan.make(model_config)
     except _NotLean as exc:

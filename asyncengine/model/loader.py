@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.config import ModelConfig
+from asyncengine.gguf.serving import is_gguf_file
 from asyncengine.model.interface import ModelForward
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,12 @@ def choose_model(model_config: ModelConfig, *, tensor_parallel: bool = False) ->
         from asyncengine.model import cpu_checkpoint
 
         reason = cpu_checkpoint.lean_checkpoint_reason(model_config)
+    if reason is not None and is_gguf_file(model_config.model):
+        raise ValueError(
+            f"{model_config.model}: a GGUF file runs on the lean CPU forward only (device "
+            f"'cpu', attention backend 'cpu', no tensor parallel, the native CPU kernels), "
+            f"which cannot run it here: {reason}"
+        )
     return ModelChoice(reason is None, native, reason)
 
 

@@ -191,7 +191,9 @@ class StructuredOutputManager:
         import xgrammar
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        from asyncengine.gguf.serving import tokenizer_folder
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(self.model_dir))
         stop = list(self.eos_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop

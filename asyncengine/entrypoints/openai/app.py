@@ -15,7 +15,6 @@ import hmac
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -38,6 +37,7 @@ from asyncengine.entrypoints.openai.serving_chat import ChatServing
 from asyncengine.entrypoints.openai.serving_completion import CompletionServing
 from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
 from asyncengine.errors import EngineDeadError
+from asyncengine.gguf.serving import served_model_name as served_model_name_of
 from asyncengine.version import __version__
 
 # A health check that takes longer than this reports the engine unhealthy (hung, or stuck in
@@ -82,7 +82,7 @@ def build_app(
         raise ValueError(f"max_request_body_bytes={max_request_body_bytes!r} must be > 0")
     state = ServerState(
         engine,
-        served_model_name or Path(engine.config.model_config.model).name,
+        served_model_name or served_model_name_of(engine.config.model_config.model),
         max_request_body_bytes=max_request_body_bytes,
         metrics_dir=metrics_dir,
         api_server_index=api_server_index,

@@ -1,0 +1,196 @@
+"""Build the lean CPU forward straight from a GGUF file (`asyncengine.gguf`), weights kept
+as the file stores them.
+
+- Q8_0 / Q4_0 weights stay quantized: `QuantLinear` over a zero-copy view of the file's
+  mapping (the view holds the mapping, so it lives as long as the model). llama-arch files
+  store q/k rows permuted per head (llama.cpp's converter): those two tensors are copied with
+  their rows (whole blocks) put back in HF order. q/k/v and gate/up stay separate layers.
+- F32 / F16 / BF16 tensors are converted to the engine's dtype, and their linears joined
+  and packed as `cpu_checkpoint` does for safetensors.
+- A quantized token embedding is looked up a step's rows at a time (`QuantEmbedding`); a
+  quantized lm_head (most GGUF files tie it to the embedding) is a `QuantLinear`, so the
+  model returns logits (the int8 lm_head screen reads packed bf16 weights only).
+
+A model with any quantized projection runs the layers one op at a time (the fused native
+decode-layer call takes packed bf16 weights only: `NativeDecodeLayers.build` declines).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncengine.config import ModelConfig
+from asyncengine.gguf import GGUFModel, GGUFTensor, read_gguf
+from asyncengine.gguf.ggml_types import FLOAT_TYPES, GGMLType
+from asyncengine.gguf.serving import check_runnable
+from asyncengine.heap import release_free_heap
+from asyncengine.model.cpu_forward import CpuForward, joint_weights
+from asyncengine.model.cpu_linear import linear_layer
+from asyncengine.model.lean_layer import LeanLayer
+from asyncengine.model.quant_linear import QuantEmbedding, QuantLinear
+from asyncengine.model.rope import RopeSpec, RotaryEmbedding
+
+_QTYPES = {GGMLType.Q8_0: "q8_0", GGMLType.Q4_0: "q4_0"}
+_DEFAULT_EPS = 1e-6
+
+
+def gguf_reason(model_config: ModelConfig) -> str | None:
+    """Why `load_gguf_forward` cannot run this GGUF model (None: it can); reads the header."""
+    if model_config.attention_backend != "cpu":
+        return f"attention backend {model_config.attention_backend!r}, not 'cpu'"
+    model = read_gguf(model_config.model)
+    try:
+        check_runnable(model)
+        RopeSpec.from_hf_config(model.hf_config, model_config.head_dim)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        model.close()
+    return None
+
+
+def load_gguf_forward(model_config: ModelConfig) -> CpuForward:
+    """The lean forward over the GGUF file `model_config.model`, on the CPU."""
+    model = read_gguf(model_config.model)
+    check_runnable(model)
+    loader = _Loader(model, getattr(torch, model_config.dtype))
+    hf = model.hf_config
+    eps = float(hf.get("rms_norm_eps", _DEFAULT_EPS))
+    rope = RopeSpec.from_hf_config(hf, model_config.head_dim)
+    layers = [
+        _load_layer(loader, i, eps, rope.head_dim, model_config.num_kv_heads)
+        for i in range(model_config.num_layers)
+    ]
+    embed = model.tensors["model.embed_tokens.weight"]
+    head = model.tensors.get("lm_head.weight", embed)  # tied: the embedding
+    embed_weight = embed_rows = None
+    if embed.ggml_type in _QTYPES:
+        embed_rows = QuantEmbedding(loader.blocks(embed), _QTYPES[embed.ggml_type], loader.dtype)
+    else:
+        embed_weight = loader.values(embed)
+    forward = CpuForward(
+        embed_weight=embed_weight,
+        embed_rows=embed_rows,
+        rotary=RotaryEmbedding(rope),
+        final_norm=loader.values(model.tensors["model.norm.weight"]),
+        final_eps=eps,
+        lm_head=loader.linear(head, None),
+        head_dim=model_config.head_dim,
+        layers=layers,
+    )
+    # The quantized weights view the mapping and keep it; the header's objects can go.
+    release_free_heap()
+    return forward
+
+
+class _Loader:
+    """Tensors of the file as the forward takes them."""
+
+    def __init__(self, model: GGUFModel, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+
+    def get(self, name: str) -> GGUFTensor | None:
+        return self.model.tensors.get(name)
+
+    def values(self, tensor: GGUFTensor) -> torch.Tensor:
+        """A float tensor in the engine's dtype (a copy), rows in HF order."""
+        # a copy: writable, and the file's pages are not kept for it
+        array = np.array(tensor.hf_rows() if len(tensor.shape) == 1 else _float_rows(tensor))
+        if tensor.ggml_type == GGMLType.BF16:
+            return torch.from_numpy(array).view(torch.bfloat16).to(self.dtype).contiguous()
+        return torch.from_numpy(array).to(self.dtype).contiguous()
+
+    def blocks(self, tensor: GGUFTensor) -> torch.Tensor:
+        """A quantized tensor's blocks, uint8 [rows, row bytes]: a view of the file's mapping,
+        or, where llama.cpp permuted the rows, a copy with the rows in HF order."""
+        if tensor.permuted_heads is not None:
+            return torch.from_numpy(np.ascontiguousarray(tensor.hf_rows()))
+        with warnings.catch_warnings():
+            # The mapping is read-only and the weights are never written.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(tensor.memoryview(), dtype=torch.uint8)
+        return flat.view(tensor.num_rows, tensor.row_nbytes)
+
+    def linear(self, weight: GGUFTensor, bias: GGUFTensor | None) -> nn.Module:
+        b = None if bias is None else self.values(bias)
+        if weight.ggml_type in _QTYPES:
+            return QuantLinear(self.blocks(weight), _QTYPES[weight.ggml_type], b)
+        return linear_layer(self.values(weight), b)
+
+
+def _float_rows(tensor: GGUFTensor) -> Any:
+    """A 2-D float tensor's values (`view()`), rows in HF order."""
+    order = tensor.hf_row_order()
+    values = tensor.view()
+    return values if order is None else values[order]
+
+
+def _load_layer(loader: _Loader, i: int, eps: float, head_dim: int, num_kv_heads: int) -> LeanLayer:
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+
+    def weight(name: str) -> GGUFTensor:
+        tensor = loader.get(name + ".weight")
+        assert tensor is not None, name  # read_gguf checked the file is complete
+        return tensor
+
+    def bias(name: str) -> GGUFTensor | None:
+        return loader.get(name + ".bias")
+
+    def norm(name: str) -> torch.Tensor | None:
+        tensor = loader.get(name)
+        return None if tensor is None else loader.values(tensor)
+
+    def joint(names: list[str]) -> nn.Module | None:
+        """One packed layer for float projections side by side, where that gives theirs."""
+        weights = [weight(n) for n in names]
+        if any(w.ggml_type not in FLOAT_TYPES for w in weights):
+            return None  # quantized projections stay separate: rows are joined for nothing
+        biases = [bias(n) for n in names]
+        joined = joint_weights(
+            [loader.values(w) for w in weights],
+            [None if b is None else loader.values(b) for b in biases],
+        )
+        return None if joined is None else linear_layer(*joined)
+
+    def linear(name: str) -> nn.Module:
+        return loader.linear(weight(name), bias(name))
+
+    qkv_names = [attn + f"{x}_proj" for x in "qkv"]
+    qkv = joint(qkv_names)
+    q_proj = k_proj = v_proj = None
+    if qkv is None:
+        q_proj, k_proj, v_proj = (linear(n) for n in qkv_names)
+    gate_up = joint([mlp + "gate_proj", mlp + "up_proj"])
+    gate_proj = up_proj = None
+    if gate_up is None:
+        gate_proj, up_proj = linear(mlp + "gate_proj"), linear(mlp + "up_proj")
+    return LeanLayer(
+        input_norm=_required(norm(p + "input_layernorm.weight")),
+        post_norm=_required(norm(p + "post_attention_layernorm.weight")),
+        eps=eps,
+        qkv=qkv,
+        q_proj=q_proj,
+        k_proj=k_proj,
+        v_proj=v_proj,
+        q_norm=norm(attn + "q_norm.weight"),
+        k_norm=norm(attn + "k_norm.weight"),
+        head_eps=eps,
+        num_kv_heads=num_kv_heads,
+        o_proj=linear(attn + "o_proj"),
+        gate_up=gate_up,
+        gate_proj=gate_proj,
+        up_proj=up_proj,
+        down_proj=linear(mlp + "down_proj"),
+        scale=head_dim**-0.5,
+    )
+
+
+def _required(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor

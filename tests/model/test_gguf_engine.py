@@ -1,0 +1,258 @@
+"""A GGUF file is a model: `LLM` / `AsyncLLM` / the CLI run tiny GGUF files of F32, Q8_0 and
+Q4_0 weights on the CPU, with the config, tokenizer and name from the file.
+
+The reference is transformers in fp32 over the same weights (the file's blocks dequantized, q/k
+rows in HF order). For quantized files the engine quantizes each linear layer's input rows to
+int8 blocks of 32 (as llama.cpp does), so the reference does the same to every linear layer's
+input (`quantize_rows_q8_torch`, bit for bit the kernels' activation rounding); the two then
+differ only in the order of fp32 sums, and greedy tokens are equal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from asyncengine import LLM, AsyncLLM, SamplingParams
+from asyncengine.gguf import GGUFError, read_gguf
+from asyncengine.gguf.serving import served_model_name, tokenizer_folder
+from asyncengine.paths import cache_dir
+
+gguf = pytest.importorskip("gguf")
+from test_gguf_files import Q, expected_values, write_tiny_gguf  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100], [7] * 40]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tokenizer folders in a temporary cache; the native kernels from the usual one."""
+    real = cache_dir()
+    cache = tmp_path_factory.getbasetemp() / "gguf-engine-cache"
+    if not cache.exists():
+        cache.mkdir()
+        (real / "native").mkdir(parents=True, exist_ok=True)
+        (cache / "native").symlink_to(real / "native")
+    old = os.environ.get("ASYNCENGINE_CACHE")
+    os.environ["ASYNCENGINE_CACHE"] = str(cache)
+    yield
+    if old is None:
+        del os.environ["ASYNCENGINE_CACHE"]
+    else:
+        os.environ["ASYNCENGINE_CACHE"] = old
+
+
+def _reference(path: Path, tiny: Any, prompts: list[list[int]], quantized: bool) -> list[list[int]]:
+    """transformers' greedy tokens over the file's weights dequantized to fp32; with
+    `quantized`, every linear layer's input rows rounded as the int8 kernels round them."""
+    import transformers
+
+    from asyncengine.kernels.quant_cpu import dequantize_rows_q8, quantize_rows_q8_torch
+
+    model_file = read_gguf(path)
+    hf = dict(model_file.hf_config)
+    model_file.close()
+    hf.pop("architectures")
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model: Any = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    state = {name: torch.from_numpy(expected_values(tiny, name)) for name in tiny.weights}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    if quantized:
+
+        def round_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1])
+            return (dequantize_rows_q8(*quantize_rows_q8_torch(rows)).view(x.shape),)
+
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(round_input)
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def _assert_free(llm: LLM) -> None:
+    stats = llm.statistics()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def _greedy(model: Path, **config: Any) -> list[list[int]]:
+    llm = LLM(model, device="cpu", dtype="float32", **config)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    _assert_free(llm)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+CASES = [
+    ("llama", Q.F32),  # float weights: the packed/dense path, q/k rows un-permuted
+    ("qwen2", Q.F16),
+    ("qwen3", Q.BF16),
+    ("llama", Q.Q8_0),  # q/k blocks permuted back to HF order
+    ("llama", Q.Q4_0),
+    ("qwen2", Q.Q8_0),  # q/k/v biases on quantized projections
+    ("qwen3", Q.Q4_0),  # q/k norms
+    ("mistral", Q.Q8_0),
+]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_greedy_tokens_equal_the_dequantized_reference(tmp_path: Path, arch: str, qtype: Q) -> None:
+    tiny = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, weight_type=qtype, seed=3)
+    want = _reference(tiny.path, tiny, PROMPTS, quantized=qtype not in (Q.F32, Q.F16, Q.BF16))
+    assert _greedy(tiny.path) == want
+
+
+def test_quantized_weights_stay_quantized_and_tied_lm_head_gives_logits(tmp_path: Path) -> None:
+    from asyncengine.config import EngineConfig
+    from asyncengine.model.gguf_checkpoint import load_gguf_forward
+    from asyncengine.model.quant_linear import QuantEmbedding, QuantLinear
+
+    tiny = write_tiny_gguf(tmp_path / "t.gguf", "llama", weight_type=Q.Q8_0, tied=True)
+    config = EngineConfig.from_kwargs(tiny.path, device="cpu", dtype="bfloat16")
+    forward = load_gguf_forward(config.model_config)
+    linears = forward.linear_layers()
+    assert all(isinstance(m, QuantLinear) for m in linears)
+    assert all(m.qweight.dtype == torch.uint8 for m in linears)  # type: ignore[union-attr]
+    assert isinstance(forward._embed_rows, QuantEmbedding)
+    assert forward.native_layers is None and forward.token_choice_rows == 0
+    # The unpermuted projections read the file's mapping in place.
+    o_proj = forward._layers[0].o_proj
+    assert isinstance(o_proj, QuantLinear)
+    mapped = np.frombuffer(
+        read_gguf(tiny.path).tensors["model.layers.0.self_attn.o_proj.weight"].data(),
+        dtype=np.uint8,
+    )
+    assert o_proj.qweight.numpy().tobytes() == mapped.tobytes()
+
+
+def test_a_folder_with_one_gguf_is_that_model(tmp_path: Path) -> None:
+    folder = tmp_path / "one"
+    folder.mkdir()
+    tiny = write_tiny_gguf(folder / "Tiny-Q8_0.gguf", "qwen2", weight_type=Q.Q8_0, seed=3)
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert llm.engine.config.model_config.model == str(tiny.path)
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(
+        tiny.path, tiny, PROMPTS[:2], quantized=True
+    )
+    assert served_model_name(llm.engine.config.model_config.model) == "Tiny-Q8_0"
+    # The tokenizer and its chat template come from the file.
+    text = llm.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert (tokenizer_folder(tiny.path) / "tokenizer.json").is_file()
+
+
+def test_a_folder_of_several_gguf_files_asks_which(tmp_path: Path) -> None:
+    for name in ("a.gguf", "b.gguf"):
+        write_tiny_gguf(tmp_path / name, "llama")
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\): name one"):
+        LLM(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1], ids=lambda q: q.name)
+def test_a_type_not_yet_run_is_refused_before_the_engine_starts(tmp_path: Path, qtype: Q) -> None:
+    shapes = None
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        from test_gguf_files import Shapes
+
+        shapes = Shapes(hidden=256, intermediate=256, heads=4, kv_heads=2, head_dim=64)
+    path = write_tiny_gguf(tmp_path / "k.gguf", "llama", weight_type=qtype, shapes=shapes).path
+    with pytest.raises(GGUFError) as info:
+        LLM(path, device="cpu")
+    message = str(info.value)
+    assert str(path) in message and qtype.name in message and "not yet supported" in message
+    assert "blk." in message or "token_embd" in message or "output" in message
+    assert "it runs F32, F16, BF16, Q8_0, Q4_0" in message
+
+
+@pytest.mark.anyio
+async def test_async_llm_runs_a_gguf_file(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "a.gguf", "llama", weight_type=Q.Q4_0, seed=3)
+    want = await anyio.to_thread.run_sync(_reference, tiny.path, tiny, PROMPTS[:2], True)
+    engine = AsyncLLM.from_pretrained(tiny.path, device="cpu", dtype="float32", core="thread")
+    async with engine:
+        got = []
+        for prompt in PROMPTS[:2]:
+            final = None
+            async for out in engine.generate(prompt, GREEDY):
+                final = out
+            assert final is not None
+            got.append(list(final.outputs[0].token_ids))
+    assert got == want
+
+
+def test_cli_generate_runs_a_gguf_file(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "cli.gguf", "llama", weight_type=Q.Q8_0)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "asyncengine"), "generate", str(tiny.path), "Hello",
+         "--device", "cpu", "--max-tokens", "4", "--temperature", "0"],
+        capture_output=True, text=True, timeout=100, env=os.environ.copy(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_cli_refuses_a_type_not_yet_run_in_one_line(tmp_path: Path) -> None:
+    from test_gguf_files import Shapes
+
+    shapes = Shapes(hidden=256, intermediate=256, head_dim=64)
+    path = write_tiny_gguf(tmp_path / "k.gguf", "llama", weight_type=Q.Q6_K, shapes=shapes).path
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "asyncengine"), "generate", str(path), "Hi",
+         "--device", "cpu"],
+        capture_output=True, text=True, timeout=100, env=os.environ.copy(),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Q6_K, which is not yet supported" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_served_name_is_the_file_stem(tmp_path: Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = write_tiny_gguf(folder / "Tiny-1B.Q8_0.gguf", "llama", weight_type=Q.Q8_0).path
+    assert served_model_name(path) == "Tiny-1B.Q8_0"
+    assert served_model_name(folder) == "Tiny-1B.Q8_0"  # the folder's one GGUF file
+    assert served_model_name(tmp_path / "hf-folder") == "hf-folder"
+
+
+def test_structured_outputs_read_the_gguf_tokenizer(tmp_path: Path) -> None:
+    from asyncengine.sampling_params import StructuredOutputsParams
+
+    tiny = write_tiny_gguf(tmp_path / "s.gguf", "qwen2", weight_type=Q.Q8_0, seed=3)
+    llm = LLM(tiny.path, device="cpu")
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        structured_outputs=StructuredOutputsParams(choice=["Hello world", "lol"]),
+    )
+    (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+    assert out.outputs[0].text in ("Hello world", "lol")
+    _assert_free(llm)
