@@ -18,17 +18,12 @@
  *
  * Paths, chosen per call (ae_quant_set_path; the best built one unless told otherwise): every
  * one gives the same integer block dots, so they differ only in the order of the fp32 sums.
- *   AVX512-VNNI (with VL, on 256-bit registers, one block each): vpdpbusd multiplies unsigned
- *     by signed bytes, so the activations are offset to unsigned (a + 128, an xor) and
- *     128 * sum(w) of the weight block, itself a vpdpbusd, is taken off: it is computed once
- *     per weight block and shared by every row of x. Q4_0's nibbles are unsigned already:
- *     nibble times a, less 8 * sum(a) (a vpdpbusd per activation block, shared by the tile's
- *     weight rows).
+ *   AVX512-VNNI: two blocks per vpdpbusd (zmm), on activations laid out for it once per call;
+ *     per-lane sums, each block's two scales applied by one FMA, one horizontal sum per output
+ *     (see struct vnni_rows).
  *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs) on |w| and a with w's
  *     sign (vpsignb): each pair is at most 2 * 128 * 127, inside int16, so nothing saturates.
  *   Scalar: plain loops (any CPU; a build without AVX2).
- * On 256-bit registers the VNNI path needs no more than AVX512VL: on AMD Zen 4 a 512-bit
- * instruction takes two 256-bit passes anyway, and one-row products are bound by memory.
  *
  * Work: items of ROWS_PER_ITEM weight rows (more where N is huge), on linear.c's pool for up
  * to AE_POOL_MAX_ROWS rows of x (a decode step: no thread waits for a preempted one), else on
@@ -44,7 +39,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1
 #endif
 #endif
@@ -60,6 +55,8 @@
 #define ROWS_PER_ITEM 16
 #define MAX_R 4        /* rows of x per tile */
 #define MAX_C 4        /* weight rows per tile */
+/* Software prefetch this far ahead of the weight loads (as linear.c's PREFETCH_BYTES). */
+#define PREFETCH_BYTES 4096
 
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
@@ -123,6 +120,27 @@ static void quantize_row(int dt, const void *x, int64_t K, int8_t *restrict qs,
     float buf[QK];
     for (int64_t b = 0; b < K / QK; b++) {
         load_f32((const char *)x + b * QK * elem_size(dt), buf, QK, dt);
+#ifdef HAVE_VNNI
+        { /* the same operations 16 lanes at a time: the same bits (max_ps and min_ps return
+           * their second operand where one is a NaN, as fmaxf and fminf return the number) */
+            const __m512 sign = _mm512_set1_ps(-0.0f);
+            const __m512 v0 = _mm512_loadu_ps(buf), v1 = _mm512_loadu_ps(buf + 16);
+            __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_setzero_ps());
+            m = _mm512_max_ps(_mm512_andnot_ps(sign, v1), m);
+            const float amax = _mm512_reduce_max_ps(m);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[b] = amax / 127.0f;
+            const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+            const __m512 vid = _mm512_set1_ps(id);
+            const __m512 c0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, vid), lo), hi);
+            const __m512 c1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, vid), lo), hi);
+            /* round to nearest even (the default mode, as nearbyintf) */
+            _mm_storeu_si128((__m128i *)(qs + b * QK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c0)));
+            _mm_storeu_si128((__m128i *)(qs + b * QK + 16),
+                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c1)));
+            continue;
+        }
+#endif
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(buf[i]));
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -208,49 +226,12 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
             for (int c = 0; c < C; c++) {
                 const uint8_t *blk = w + c * row_bytes + b * bb;
                 dw[c] = _mm256_set1_ps(f16_at(blk));
-#ifdef HAVE_VNNI
-                if (path == PATH_VNNI && fmt == FMT_Q4_0) { /* the nibbles as they are */
-                    wv[c] = load_nibbles(blk);
-                    continue;
-                }
-#endif
                 wv[c] = load_w(fmt, blk);
-#ifdef HAVE_VNNI
-                if (path == PATH_VNNI) { /* -128 * sum(w) per lane: undoes the offset of a */
-                    const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                                            _mm256_set1_epi8((char)0x80), wv[c]);
-                    wx[c] = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
-                    continue;
-                }
-#endif
                 wx[c] = _mm256_sign_epi8(wv[c], wv[c]); /* |w|; |-128| reads as 128 unsigned */
             }
             for (int r = 0; r < R; r++) {
                 const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * K + b * QK));
                 const __m256 d = _mm256_set1_ps(da[r * nb + b]);
-#ifdef HAVE_VNNI
-                if (path == PATH_VNNI && fmt == FMT_Q4_0) {
-                    /* nibble (unsigned) times a, less 8 * sum(a): -8 * sum(a) per lane first */
-                    const __m256i sum8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                                             _mm256_set1_epi8(8), a);
-                    const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), sum8);
-                    for (int c = 0; c < C; c++) {
-                        const __m256i s = _mm256_dpbusd_epi32(neg, wv[c], a);
-                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                                    _mm256_mul_ps(dw[c], d), acc[r][c]);
-                    }
-                    continue;
-                }
-                if (path == PATH_VNNI) {
-                    const __m256i au = _mm256_xor_si256(a, _mm256_set1_epi8((char)0x80));
-                    for (int c = 0; c < C; c++) {
-                        const __m256i s = _mm256_dpbusd_epi32(wx[c], au, wv[c]);
-                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                                    _mm256_mul_ps(dw[c], d), acc[r][c]);
-                    }
-                    continue;
-                }
-#endif
                 for (int c = 0; c < C; c++) {
                     const __m256i p = _mm256_maddubs_epi16(wx[c], _mm256_sign_epi8(a, wv[c]));
                     const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
@@ -284,9 +265,169 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
         for (int c = 0; c < C; c++) res[r * res_st + c] = acc[r][c];
 }
 
+/*
+ * The AVX512-VNNI tile works on activations laid out for it once per call (struct vnni_rows),
+ * so that its inner loop is, per two weight blocks and row of x: one vpdpbusd (zmm) on the two
+ * blocks' bytes, a conversion, one permute of the blocks' scales and one FMA into per-lane sums
+ * reduced at the row's end, with no broadcasts or horizontal sums. Each 16 blocks' fp16 weight
+ * scales come in with 16 scalar loads and one vcvtph2ps; times the 16 activation scales, they
+ * make a small table that a permute spreads over the two blocks' lanes.
+ *
+ * vpdpbusd multiplies unsigned by signed bytes: the weights are made unsigned (Q8_0: w + 128,
+ * an xor; Q4_0: the nibbles as they are, w + 8) and the excess, 128 (or 8) times the sum of the
+ * lane's 4 activations, starts each lane's sum negated (corr): the integer dots stay exact.
+ * Q4_0's 16 bytes hold elements 0-15 (low nibbles) and 16-31 (high): a pair of blocks unpacks
+ * as [lo 0, lo 1, hi 0, hi 1] (16 bytes each), and the activations are stored in that order.
+ * Blocks past the row's end (to a multiple of 16) are zeros in a, corr and da.
+ */
+struct vnni_rows {
+    const int8_t *a;     /* [M][nbp * 32] the blocks' bytes, in pairs as above */
+    const int32_t *corr; /* [M][nbp * 8] each lane's -128 (Q4_0: -8) * sum of its 4 bytes */
+    const float *da;     /* [M][nbp] the blocks' scales */
+    int64_t nbp;         /* blocks per row, rounded up to 16 */
+};
+
+#ifdef HAVE_VNNI
+static ALWAYS_INLINE int64_t round16(int64_t nb) { return (nb + 15) & ~(int64_t)15; }
+
+/* Bytes of the prepared activations of M rows of nb blocks. */
+static size_t vnni_bytes(int64_t M, int64_t nb) {
+    return (size_t)(M * round16(nb)) * (32 + 32 + 4);
+}
+
+/* x's quantized rows (qa [M][K], da [M][nb]) as struct vnni_rows for format fmt, in buf
+ * (vnni_bytes, 64-byte aligned). */
+static struct vnni_rows prepare_vnni(int fmt, const int8_t *qa, const float *da, int64_t M,
+                                     int64_t nb, char *buf) {
+    const int64_t nbp = round16(nb);
+    int32_t *corr = (int32_t *)buf;
+    int8_t *a = (int8_t *)(corr + M * nbp * 8);
+    float *d = (float *)(a + M * nbp * 32);
+    memset(buf, 0, vnni_bytes(M, nb));
+    const int32_t excess = fmt == FMT_Q8_0 ? 128 : 8;
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *src = qa + m * nb * QK;
+        int8_t *dst = a + m * nbp * QK;
+        for (int64_t b = 0; b < nb; b++) {
+            d[m * nbp + b] = da[m * nb + b];
+            if (fmt == FMT_Q8_0) {
+                memcpy(dst + b * QK, src + b * QK, QK);
+            } else { /* pair (2i, 2i+1): [2i lo, 2i+1 lo, 2i hi, 2i+1 hi], 16 bytes each */
+                int8_t *pair = dst + (b & ~(int64_t)1) * QK + (b & 1) * 16;
+                memcpy(pair, src + b * QK, 16);
+                memcpy(pair + 32, src + b * QK + 16, 16);
+            }
+        }
+        for (int64_t l = 0; l < nbp * 8; l++) {
+            const int8_t *q = dst + 4 * l;
+            corr[m * nbp * 8 + l] = -excess * (q[0] + q[1] + q[2] + q[3]);
+        }
+    }
+    return (struct vnni_rows){a, corr, d, nbp};
+}
+
+/* Blocks b and b + 1 of a weight row (blk: block b) as the unsigned bytes vpdpbusd takes,
+ * lined up with the activations; only block b where `half` (block b + 1 lies past the row). */
+static ALWAYS_INLINE __m512i load_pair(const int fmt, const int half, const uint8_t *blk) {
+    if (fmt == FMT_Q8_0) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m512i w =
+            half ? _mm512_zextsi256_si512(lo)
+                 : _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                      _mm256_loadu_si256((const __m256i *)(blk + 2 + 34)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const __m256i q = half ? _mm256_zextsi128_si256(b0)
+                           : _mm256_inserti128_si256(_mm256_castsi128_si256(b0),
+                                                     _mm_loadu_si128((const __m128i *)(blk + 20)),
+                                                     1);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q),
+                                            _mm256_srli_epi32(q, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(15));
+}
+
+/* Which of a group's 16 scales each lane of pair p takes (Q8_0: 8 lanes per block; Q4_0: 4,
+ * 4, then 4 and 4 again). */
+static ALWAYS_INLINE __m512i pair_lanes(const int fmt, int p) {
+    const int j = 2 * p, k = 2 * p + 1;
+    if (fmt == FMT_Q8_0)
+        return _mm512_setr_epi32(j, j, j, j, j, j, j, j, k, k, k, k, k, k, k, k);
+    return _mm512_setr_epi32(j, j, j, j, k, k, k, k, j, j, j, j, k, k, k, k);
+}
+
+/* One group of up to 16 blocks (g: the first; n: how many) of the tile's sums. */
+static ALWAYS_INLINE void vnni_group(const int fmt, const int R, const int C, const int full,
+                                     const uint8_t *w, int64_t row_bytes, int64_t g, int n,
+                                     const struct vnni_rows *x, __m512 acc[MAX_R][MAX_C]) {
+    const int bb = (int)block_bytes(fmt);
+    __m512 scale[MAX_R][MAX_C]; /* dw * da of the group's 16 blocks */
+    for (int c = 0; c < C; c++) {
+        const uint8_t *blk = w + c * row_bytes + g * bb;
+        /* 16 scalar loads: a gather takes longer on AMD Zen 4 */
+        uint16_t h[16] __attribute__((aligned(32)));
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            uint16_t v = 0;
+            if (full || i < n) memcpy(&v, blk + i * bb, 2);
+            h[i] = v;
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h));
+        for (int r = 0; r < R; r++)
+            scale[r][c] = _mm512_mul_ps(dw, _mm512_loadu_ps(x->da + r * x->nbp + g));
+    }
+    const int pairs = full ? 8 : (n + 1) / 2;
+#pragma GCC unroll 8
+    for (int p = 0; p < pairs; p++) {
+        const int64_t b = g + 2 * p;
+        const int half = !full && 2 * p + 1 == n;
+        const __m512i lanes = pair_lanes(fmt, p);
+        __m512i wv[MAX_C];
+        for (int c = 0; c < C; c++) {
+            const uint8_t *blk = w + c * row_bytes + b * bb;
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+            wv[c] = load_pair(fmt, half, blk);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i a = _mm512_loadu_si512(x->a + r * x->nbp * QK + b * QK);
+            const __m512i corr = _mm512_loadu_si512(x->corr + r * x->nbp * 8 + b * 8);
+            for (int c = 0; c < C; c++) {
+                const __m512i s = _mm512_dpbusd_epi32(corr, wv[c], a);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                            _mm512_permutexvar_ps(lanes, scale[r][c]), acc[r][c]);
+            }
+        }
+    }
+}
+
+/* tile() on AVX512-VNNI over the prepared rows x (R of them). */
+static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, const uint8_t *w,
+                                    int64_t row_bytes, int64_t nb, const struct vnni_rows *x,
+                                    float *res, int64_t res_st) {
+    __m512 acc[MAX_R][MAX_C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= nb; g += 16) vnni_group(fmt, R, C, 1, w, row_bytes, g, 16, x, acc);
+    if (g < nb) vnni_group(fmt, R, C, 0, w, row_bytes, g, (int)(nb - g), x, acc);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) res[r * res_st + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#endif
+
 /* tile() with R and C as constants: one inlined copy per (fmt, path, R, C) in use. */
+#ifdef HAVE_VNNI
+#define TILE_VNNI(fmt, path, R, C)                                                         \
+    if (path == PATH_VNNI) {                                                               \
+        tile_vnni(fmt, R, C, w, row_bytes, nb, xv, res, res_st);                           \
+        return;                                                                            \
+    }
+#else
+#define TILE_VNNI(fmt, path, R, C)
+#endif
 #define TILE_CASE(fmt, path, R, C)                                                         \
     case (R) * 8 + (C):                                                                    \
+        TILE_VNNI(fmt, path, R, C)                                                         \
         tile(fmt, path, R, C, w, row_bytes, nb, qa, da, K, res, res_st);                   \
         return;
 #define TILE_RS(fmt, path, C) \
@@ -295,7 +436,9 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
 
 static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, const uint8_t *w,
                                   int64_t row_bytes, int64_t nb, const int8_t *qa,
-                                  const float *da, int64_t K, float *res, int64_t res_st) {
+                                  const float *da, const struct vnni_rows *xv, int64_t K,
+                                  float *res, int64_t res_st) {
+    (void)xv;
     switch (R * 8 + C) {
         TILE_RS(fmt, path, 1)
         TILE_RS(fmt, path, 2)
@@ -316,6 +459,7 @@ struct quant_job {
     const uint8_t *w;
     const int8_t *qa;
     const float *da;
+    struct vnni_rows xv; /* the VNNI path's layout of qa and da */
     const void *bias;
     void *out;
     int64_t M, N, K, o_st, per_item;
@@ -330,12 +474,15 @@ static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, co
         const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
         const int8_t *qa = j->qa + m * j->K;
         const float *da = j->da + m * nb;
+        const int64_t nbp = j->xv.nbp;
+        const struct vnni_rows xv = {j->xv.a + m * nbp * QK, j->xv.corr + m * nbp * 8,
+                                     j->xv.da + m * nbp, nbp};
         int64_t n = n0;
         for (; n + cmax <= n1; n += cmax)
-            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, j->K,
+            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, &xv, j->K,
                     res + m * cols + n - n0, cols);
         for (; n < n1; n++) /* the item's last rows, one at a time */
-            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, j->K,
+            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, &xv, j->K,
                     res + m * cols + n - n0, cols);
     }
 }
@@ -374,7 +521,15 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     const int64_t nb = K / QK;
     /* the rows as int8 blocks where the item's threads read them: the pool's buffer when the
      * caller holds the pool (a late helper may read it after this call), else fresh memory */
-    const size_t q_bytes = (size_t)(M * K), bytes = q_bytes + (size_t)(M * nb) * sizeof(float);
+    const int path = current_path();
+    const size_t q_bytes = (size_t)(M * K), d_bytes = (size_t)(M * nb) * sizeof(float);
+    size_t bytes = q_bytes + d_bytes, v_off = 0;
+#ifdef HAVE_VNNI
+    if (path == PATH_VNNI) { /* and the VNNI path's layout after them, 64-byte aligned */
+        v_off = (bytes + 63) & ~(size_t)63;
+        bytes = v_off + vnni_bytes(M, nb) + 64;
+    }
+#endif
     const int pooled = ae_linear_use_pool(M, num_threads);
     char *buf = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
     if (buf == NULL) {
@@ -386,8 +541,17 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, pooled ? 1 : num_threads);
     int64_t per_item = ROWS_PER_ITEM;
     while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
-    const struct quant_job job = {w,  qa, da,       bias, out, M,   N,
-                                  K,  o_st, per_item, fmt,  current_path(), dt};
+    struct vnni_rows xv = {0};
+#ifdef HAVE_VNNI
+    if (path == PATH_VNNI) {
+        char *v = buf + v_off;
+        v += (64 - (uintptr_t)v % 64) % 64;
+        xv = prepare_vnni(fmt, qa, da, M, nb, v);
+    }
+#endif
+    (void)v_off;
+    const struct quant_job job = {w, qa, da, xv, bias, out, M, N, K, o_st, per_item, fmt, path,
+                                  dt};
     ae_linear_run_items(pooled, quant_item, &job, sizeof job, (N + per_item - 1) / per_item,
                         num_threads);
     if (pooled) ae_pool_release();

@@ -96,8 +96,18 @@ def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tenso
 
 
 # (M, N, K): K a multiple of 32 but not of 256; N no multiple of the tiles (4) or of the items
-# (16); M across the pool (<= 8 rows) and OpenMP, and through the row tiles' remainders.
-SHAPES = [(1, 37, 96), (1, 300, 256), (2, 64, 1056), (7, 33, 160), (64, 19, 288)]
+# (16); M across the pool (<= 8 rows) and OpenMP, and through the row tiles' remainders. The
+# VNNI path takes blocks 16 at a time, in pairs: 16 blocks (512) with no remainder, 47 (1504)
+# with an odd one.
+SHAPES = [
+    (1, 37, 96),
+    (1, 300, 256),
+    (1, 20, 512),
+    (2, 64, 1056),
+    (3, 41, 1504),
+    (7, 33, 160),
+    (64, 19, 288),
+]
 
 
 @native

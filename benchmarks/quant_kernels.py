@@ -1,0 +1,100 @@
+"""The Q8_0 / Q4_0 linear kernels (kernels/quant_cpu.py) against the bf16 one (linear_cpu.py)
+on the same shapes, the weights coming from memory as they do in a decode step.
+
+    python benchmarks/quant_kernels.py [--rows 1,4,64] [--shapes 2048x8192,8192x2048]
+                                       [--repeats 30] [--path avx512_vnni|avx2|scalar]
+
+Shapes are N x K (out x in). For each shape and row count it times one product of each kind
+in turn, interleaved (bf16, Q8_0, Q4_0, bf16, ...), `--repeats` times, each call on the next of
+several copies of the weight (together over 96 MB, past the last-level cache), and prints the
+median ms, the weight bytes per ms as GB/s, and each quantized kind's speed-up over bf16 in this
+one run: the machine's bandwidth drifts between runs and under other load, so compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+ROTATE_BYTES = 96 << 20  # the copies of each weight together: past a 32 MB L3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,64")
+    parser.add_argument("--shapes", default="2048x8192,8192x2048")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--path", default=None, help="the quantized kernels' CPU path")
+    args = parser.parse_args()
+
+    from asyncengine.kernels import quant_cpu
+    from asyncengine.kernels.cpu_native import require_native
+    from asyncengine.kernels.linear_cpu import LinearCpu, pack_native
+
+    lib = require_native()
+    path = quant_cpu.set_path(args.path)
+    print(f"threads {torch.get_num_threads()}, quantized path {path}, bf16 fast path "
+          f"{'yes' if lib.linear_bf16_fast else 'no'}")  # fmt: skip
+    cols = ("N x K", "rows", "bf16 ms (GB/s)", "Q8_0 ms (GB/s)", "Q4_0 ms (GB/s)", "bf16/Q8_0",
+            "bf16/Q4_0")  # fmt: skip
+    print("| " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            w = torch.randn(n, k) * 0.02
+            kinds: dict[str, tuple[int, Callable[[torch.Tensor, int], torch.Tensor]]] = {}
+            packed, packed_k = pack_native(w.to(torch.bfloat16))
+            copies = [
+                LinearCpu(lib, packed.clone(), packed_k, (n, k), None)
+                for _ in range(_copies(n * k * 2))
+            ]
+            kinds["bf16"] = (n * k * 2, _rotating(copies))
+            for qtype in (quant_cpu.Q8_0, quant_cpu.Q4_0):
+                q = quant_cpu.quantize_weight(w, qtype)
+                qs = [q.clone() for _ in range(_copies(q.numel()))]
+                quant = [functools.partial(quant_cpu.linear_quant_cpu, qweight=c, qtype=qtype)
+                         for c in qs]  # fmt: skip
+                kinds[qtype] = (q.numel(), _rotating(quant))
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k).to(torch.bfloat16)
+                times: dict[str, list[float]] = {name: [] for name in kinds}
+                for i in range(args.repeats + 3):
+                    for name, (_, fn) in kinds.items():
+                        start = time.perf_counter()
+                        fn(x, i)
+                        if i >= 3:  # warm-up calls
+                            times[name].append((time.perf_counter() - start) * 1000)
+                med = {name: statistics.median(t) for name, t in times.items()}
+                cells = [f"{med[nm]:.3f} ({kinds[nm][0] / med[nm] / 1e6:.0f})" for nm in kinds]
+                ratios = [
+                    f"{med['bf16'] / med[qt]:.2f}x" for qt in (quant_cpu.Q8_0, quant_cpu.Q4_0)
+                ]
+                print(f"| {n}x{k} | {rows} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    return 0
+
+
+def _rotating(
+    fns: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Call i runs fns[i % len(fns)]: each call on the next copy of the weight."""
+    return lambda x, i: fns[i % len(fns)](x)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
