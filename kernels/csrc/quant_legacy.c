@@ -140,6 +140,32 @@ static void quantize_row(int dt, const void *x, int64_t K, int8_t *restrict qs,
                              _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c1)));
             continue;
         }
+#elif defined(HAVE_AVX2)
+        { /* the same, 8 lanes at a time */
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(buf + 8 * i);
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[b] = amax / 127.0f;
+            const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) /* round to nearest even, as nearbyintf */
+                q[i] = _mm256_cvtps_epi32(_mm256_min_ps(
+                    _mm256_max_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), lo), hi));
+            /* the packs interleave 128-bit lanes: 4-value groups 0, 2, 4, 6, 1, 3, 5, 7 */
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                      _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256(
+                (__m256i *)(qs + b * QK),
+                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            continue;
+        }
 #endif
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(buf[i]));
@@ -447,10 +473,11 @@ static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, c
     }
 }
 
-/* Weight rows per tile: four where the registers hold them (AVX2 has 16: 4 x 4 sums and the
- * weights would spill, so two there for more than one row of x). */
+/* Weight rows per tile: four for one row of x; two for more (AVX2 has 16 registers: 4 x 4 sums
+ * and the weights would spill; on VNNI, 4 x 2 tiles measured 0-30% faster than 4 x 4 and 4 x 1
+ * at 2-64 rows, on AMD Zen 4). */
 static ALWAYS_INLINE int tile_cols(int path, int64_t M) {
-    return path == PATH_AVX2 && M > 1 ? 2 : 4;
+    return path != PATH_SCALAR && M > 1 ? 2 : 4;
 }
 
 /* ---- the product, item by item ---- */
