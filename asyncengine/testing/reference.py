@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncengine.sampling_params import SamplingParams
@@ -18,13 +18,18 @@ def transformers_greedy(
     EOS is ignored the way `ignore_eos` does it: by not stopping, not by suppressing it
     (`min_new_tokens` would mask EOS out of the argmax and so pick a different token).
     """
-    from typing import Any
-
     import torch
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    return greedy_generate(model.eval(), prompts, max_new_tokens)
+
+
+def greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A loaded transformers model's `generate(do_sample=False)`, one prompt at a time,
+    exactly `max_new_tokens` new tokens each (EOS ignored as `transformers_greedy` says)."""
+    import torch
+
     model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():

@@ -26,6 +26,7 @@ from asyncengine import LLM, AsyncLLM, SamplingParams
 from asyncengine.gguf import GGUFError, read_gguf
 from asyncengine.gguf.serving import served_model_name, tokenizer_folder
 from asyncengine.paths import cache_dir
+from asyncengine.testing.reference import greedy_generate
 
 gguf = pytest.importorskip("gguf")
 from test_gguf_files import Q, expected_values, write_tiny_gguf  # noqa: E402
@@ -82,19 +83,7 @@ def _reference(path: Path, tiny: Any, prompts: list[list[int]], quantized: bool)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_pre_hook(round_input)
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return greedy_generate(model, prompts, NEW_TOKENS)
 
 
 def _assert_free(llm: LLM) -> None:

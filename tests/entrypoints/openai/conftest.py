@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from openai_testing import API_KEY, ENGINE_KW, MAX_BODY, MODEL_NAME, RunningServer, run_in_thread
 
@@ -22,3 +23,12 @@ def server(chat_model: Path) -> Iterator[RunningServer]:
     )
     with run_in_thread(app) as running:
         yield running
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    """The official client of `server`, with its API key and no retries."""
+    with openai.OpenAI(
+        base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
+    ) as client:
+        yield client

@@ -3,25 +3,16 @@ logprobs (the first one null, as OpenAI's), then the completion's, in one list."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from openai_testing import API_KEY, MODEL_NAME, RunningServer
+from openai_testing import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = "the engine is fast and the cache is warm"
 GREEDY: dict[str, Any] = dict(temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
-
-
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
-    ) as client:
-        yield client
 
 
 def test_echo_with_logprobs_returns_the_prompts_logprobs_first(client: openai.OpenAI) -> None:

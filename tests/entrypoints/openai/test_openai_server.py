@@ -68,14 +68,6 @@ def _idle_after(server: RunningServer) -> Iterator[None]:
 
 
 @pytest.fixture
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
-    ) as client:
-        yield client
-
-
-@pytest.fixture
 async def aclient(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
         base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
