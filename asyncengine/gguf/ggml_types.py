@@ -66,8 +66,6 @@ BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
 
 SUPPORTED_TYPES: tuple[GGMLType, ...] = tuple(BLOCK_LAYOUT)
 FLOAT_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-# What the engine runs today; the rest of SUPPORTED_TYPES has kernels still to come (issue 35).
-RUNNABLE_TYPES: tuple[GGMLType, ...] = (*FLOAT_TYPES, GGMLType.Q8_0, GGMLType.Q4_0)
 
 
 def type_name(ggml_type: int) -> str:
@@ -79,14 +77,8 @@ def type_name(ggml_type: int) -> str:
 
 
 def supported_names() -> str:
+    """The types the engine runs, for error messages."""
     return ", ".join(t.name for t in SUPPORTED_TYPES)
-
-
-def runnable_names() -> str:
-    """What this version runs, and what is still to come: for error messages."""
-    coming = [t.name for t in SUPPORTED_TYPES if t not in RUNNABLE_TYPES]
-    runs = ", ".join(t.name for t in RUNNABLE_TYPES)
-    return f"{runs} ({', '.join(coming)} not yet supported)"
 
 
 def tensor_nbytes(ggml_type: GGMLType, shape: tuple[int, ...]) -> int:

@@ -30,7 +30,7 @@ from asyncengine.gguf.errors import GGUFError
 from asyncengine.gguf.ggml_types import (
     BLOCK_LAYOUT,
     GGMLType,
-    runnable_names,
+    supported_names,
     tensor_nbytes,
     type_name,
 )
@@ -156,7 +156,7 @@ class GGUFFile:
             raise GGUFError(
                 self.path,
                 f"tensor {raw.name!r} has type {type_name(raw.ggml_type)}, which asyncengine "
-                f"does not run; it runs {runnable_names()}",
+                f"does not run; it runs {supported_names()}",
             )
         ggml_type = GGMLType(raw.ggml_type)
         block_size = BLOCK_LAYOUT[ggml_type][0]

@@ -26,7 +26,7 @@ from torch import nn
 
 from asyncengine.config import ModelConfig
 from asyncengine.gguf import GGUFModel, GGUFTensor, read_gguf
-from asyncengine.gguf.ggml_types import FLOAT_TYPES, GGMLType
+from asyncengine.gguf.ggml_types import FLOAT_TYPES, SUPPORTED_TYPES, GGMLType
 from asyncengine.gguf.serving import check_runnable
 from asyncengine.heap import release_free_heap
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
@@ -35,7 +35,8 @@ from asyncengine.model.lean_layer import LeanLayer
 from asyncengine.model.quant_linear import QuantEmbedding, QuantLinear
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 
-_QTYPES = {GGMLType.Q8_0: "q8_0", GGMLType.Q4_0: "q4_0"}
+# the quantized types, by their names in kernels/quant_formats.py ("q4_k")
+_QTYPES = {t: t.name.lower() for t in SUPPORTED_TYPES if t not in FLOAT_TYPES}
 _DEFAULT_EPS = 1e-6
 
 

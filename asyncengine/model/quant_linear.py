@@ -1,9 +1,10 @@
 """Linear layers and embedding lookups over GGUF's block-quantized weights, kept quantized.
 
-`QuantLinear` holds a weight as the file stores it (uint8 [N, K / 32 * block bytes] of Q8_0 or
-Q4_0 blocks), usually a zero-copy view of the GGUF file's mapping, and multiplies by it with
-`linear_quant_cpu` (the native kernels: activations quantized per row to int8 blocks, as
-llama.cpp does), or `linear_quant_torch` where the native library lacks them.
+`QuantLinear` holds a weight as the file stores it (uint8 [N, K / values * block bytes] of one
+of `quant_formats.FORMATS`), usually a zero-copy view of the GGUF file's mapping, and
+multiplies by it with `linear_quant_cpu` (the native kernels: activations quantized per row to
+int8 blocks of 32, as llama.cpp does), or `linear_quant_torch` (the same numbers over the
+dequantized weight) where the native library is missing or does not run the format.
 
 `QuantEmbedding` looks token rows up in a quantized table: it gathers the rows of the step's
 tokens and dequantizes those only, never the whole table.
@@ -16,23 +17,25 @@ import functools
 import torch
 from torch import nn
 
-from asyncengine.kernels.quant_cpu import dequantize, linear_quant_cpu, linear_quant_torch
+from asyncengine.kernels.quant_cpu import linear_quant_cpu, linear_quant_torch, native_formats
+from asyncengine.kernels.quant_formats import dequantize, in_features
 
 
 class QuantLinear(nn.Module):
-    """`x @ W^T + bias` with W in GGUF blocks (`qtype` "q8_0" or "q4_0"); x [..., K] of the
-    engine's dtype, out [..., N] of the same."""
+    """`x @ W^T + bias` with W in GGUF blocks of format `qtype` ("q8_0", "q4_k", ...);
+    x [..., K] of the engine's dtype, out [..., N] of the same."""
 
     def __init__(self, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.qweight = qweight  # uint8 [N, K / 32 * block bytes]; may view a file mapping
+        self.qweight = qweight  # uint8 [N, K / values * block bytes]; may view a file mapping
         self.qtype = qtype
         self.bias = bias
         self.out_features = qweight.shape[0]
-        self.in_features = _in_features(qweight, qtype)
+        self.in_features = in_features(qweight, qtype)
+        self._native = qtype in _native_formats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if _native_quant():
+        if self._native:
             return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
         return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
 
@@ -51,21 +54,9 @@ class QuantEmbedding:
         return dequantize(rows, self.qtype).to(self.dtype)
 
 
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-
-
-def _in_features(qweight: torch.Tensor, qtype: str) -> int:
-    if qtype not in _BLOCK_BYTES:
-        raise ValueError(f"unsupported quantization type {qtype!r}")
-    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
-        raise ValueError(f"a {qtype} weight is uint8 [N, bytes], got {qweight.dtype}")
-    return qweight.shape[1] // _BLOCK_BYTES[qtype] * 32
-
-
 @functools.cache
-def _native_quant() -> bool:
-    """The native library is built and has the quantized kernels."""
+def _native_formats() -> tuple[str, ...]:
+    """The formats the native library runs (none where it is not built)."""
     from asyncengine.kernels.cpu_native import load_native
 
-    lib = load_native()
-    return lib is not None and hasattr(lib, "linear_q8_0")
+    return native_formats() if load_native() is not None else ()

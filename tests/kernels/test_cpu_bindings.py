@@ -20,10 +20,11 @@ from asyncengine.kernels import cpu_native
 
 CSRC = Path(cpu_native.__file__).parent / "csrc"
 HEADER = CSRC / "ae_kernels.h"
-# what the build can do (bound as bools, or a bitmask of quant_legacy.c's paths) and how it
-# lays out dense panels (bound as a tuple)
+# what the build can do (bound as bools, or bitmasks of quant_legacy.c's paths and formats) and
+# how it lays out dense panels (bound as a tuple)
 PROBES = (
     "ae_linear_bf16_fast", "ae_linear_dense_simd", "ae_dense_panel_order", "ae_quant_paths",
+    "ae_quant_formats",
 )  # fmt: skip
 
 # C parameter and return types as ctypes sees them: every pointer is a void pointer.

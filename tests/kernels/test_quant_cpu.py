@@ -173,7 +173,7 @@ def test_bad_shapes_and_paths_are_refused() -> None:
     with pytest.raises(ValueError, match="uint8"):
         linear_quant_cpu(torch.randn(1, 64), qweight, Q4_0)  # Q8_0 bytes read as Q4_0
     with pytest.raises(ValueError, match="unsupported"):
-        linear_quant_cpu(torch.randn(1, 64), qweight, "q5_k")
+        linear_quant_cpu(torch.randn(1, 64), qweight, "iq4_xs")
     with pytest.raises(ValueError, match="unknown"):
         quant_cpu.set_path("amx")
 
