@@ -1,5 +1,6 @@
-"""A GGUF file is a model: `LLM` / `AsyncLLM` / the CLI run tiny GGUF files of F32, Q8_0 and
-Q4_0 weights on the CPU, with the config, tokenizer and name from the file.
+"""A GGUF file is a model: `LLM` / `AsyncLLM` / the CLI run tiny GGUF files of float weights and
+of every quantized type the engine runs (a Q4_K_M-like mix too) on the CPU, with the config,
+tokenizer and name from the file.
 
 The reference is transformers in fp32 over the same weights (the file's blocks dequantized, q/k
 rows in HF order). For quantized files the engine quantizes each linear layer's input rows to
@@ -23,13 +24,13 @@ import pytest
 import torch
 
 from asyncengine import LLM, AsyncLLM, SamplingParams
-from asyncengine.gguf import GGUFError, read_gguf
+from asyncengine.gguf import read_gguf
 from asyncengine.gguf.serving import served_model_name, tokenizer_folder
 from asyncengine.paths import cache_dir
 from asyncengine.testing.reference import greedy_generate
 
 gguf = pytest.importorskip("gguf")
-from test_gguf_files import Q, expected_values, write_tiny_gguf  # noqa: E402
+from test_gguf_files import Q, Shapes, expected_values, write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,14 +108,37 @@ CASES = [
     ("qwen2", Q.Q8_0),  # q/k/v biases on quantized projections
     ("qwen3", Q.Q4_0),  # q/k norms
     ("mistral", Q.Q8_0),
+    ("llama", Q.Q4_1),
+    ("qwen2", Q.Q5_0),
+    ("qwen3", Q.Q5_1),
+    ("llama", Q.Q4_K),  # K-quants: rows of whole 256-value super-blocks
+    ("qwen2", Q.Q5_K),
+    ("mistral", Q.Q6_K),
 ]
+# K-quant rows are whole super-blocks of 256 values: every K of the model a multiple of 256
+K_SHAPES = Shapes(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64)
 
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
 def test_greedy_tokens_equal_the_dequantized_reference(tmp_path: Path, arch: str, qtype: Q) -> None:
-    tiny = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, weight_type=qtype, seed=3)
+    shapes = K_SHAPES if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else None
+    tiny = write_tiny_gguf(
+        tmp_path / f"{arch}.gguf", arch, weight_type=qtype, seed=3, shapes=shapes
+    )
     want = _reference(tiny.path, tiny, PROMPTS, quantized=qtype not in (Q.F32, Q.F16, Q.BF16))
     assert _greedy(tiny.path) == want
+
+
+def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:
+    """What llama-quantize writes for Q4_K_M: Q4_K projections, some Q6_K ones (half the
+    down projections and the v projections), a Q6_K embedding (tied: the lm_head too)."""
+    mix = {"v_proj": Q.Q6_K, "layers.0.mlp.down_proj": Q.Q6_K}
+    tiny = write_tiny_gguf(
+        tmp_path / "mix.gguf", "llama", weight_type=Q.Q4_K, embed_type=Q.Q6_K, tied=True,
+        shapes=K_SHAPES, seed=5, type_overrides=mix,
+    )  # fmt: skip
+    assert {tiny.types[n] for n in tiny.weights if n.endswith("proj.weight")} == {Q.Q4_K, Q.Q6_K}
+    assert _greedy(tiny.path) == _reference(tiny.path, tiny, PROMPTS, quantized=True)
 
 
 def test_quantized_weights_stay_quantized_and_tied_lm_head_gives_logits(tmp_path: Path) -> None:
@@ -166,22 +190,6 @@ def test_a_folder_of_several_gguf_files_asks_which(tmp_path: Path) -> None:
         LLM(tmp_path, device="cpu")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1], ids=lambda q: q.name)
-def test_a_type_not_yet_run_is_refused_before_the_engine_starts(tmp_path: Path, qtype: Q) -> None:
-    shapes = None
-    if qtype in (Q.Q4_K, Q.Q6_K):
-        from test_gguf_files import Shapes
-
-        shapes = Shapes(hidden=256, intermediate=256, heads=4, kv_heads=2, head_dim=64)
-    path = write_tiny_gguf(tmp_path / "k.gguf", "llama", weight_type=qtype, shapes=shapes).path
-    with pytest.raises(GGUFError) as info:
-        LLM(path, device="cpu")
-    message = str(info.value)
-    assert str(path) in message and qtype.name in message and "not yet supported" in message
-    assert "blk." in message or "token_embd" in message or "output" in message
-    assert "it runs F32, F16, BF16, Q8_0, Q4_0" in message
-
-
 @pytest.mark.anyio
 async def test_async_llm_runs_a_gguf_file(tmp_path: Path) -> None:
     tiny = write_tiny_gguf(tmp_path / "a.gguf", "llama", weight_type=Q.Q4_0, seed=3)
@@ -208,18 +216,18 @@ def test_cli_generate_runs_a_gguf_file(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_cli_refuses_a_type_not_yet_run_in_one_line(tmp_path: Path) -> None:
-    from test_gguf_files import Shapes
-
-    shapes = Shapes(hidden=256, intermediate=256, head_dim=64)
-    path = write_tiny_gguf(tmp_path / "k.gguf", "llama", weight_type=Q.Q6_K, shapes=shapes).path
+def test_cli_refuses_an_unsupported_type_in_one_line(tmp_path: Path) -> None:
+    raw = np.zeros((8, 84), dtype=np.uint8)  # rows of one Q2_K super-block (256 values)
+    path = write_tiny_gguf(
+        tmp_path / "q2k.gguf", "llama", extra_tensors={"blk.0.attn_q.weight.x": (raw, Q.Q2_K)}
+    ).path
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "asyncengine"), "generate", str(path), "Hi",
          "--device", "cpu"],
         capture_output=True, text=True, timeout=100, env=os.environ.copy(),
     )  # fmt: skip
     assert proc.returncode == 1
-    assert "Q6_K, which is not yet supported" in proc.stderr
+    assert "Q2_K" in proc.stderr and "it runs F32, F16, BF16, Q8_0" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -138,10 +138,13 @@ def write_tiny_gguf(
     extra_kv: dict[str, Any] | None = None,
     file_arch: str | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, int]] | None = None,
+    type_overrides: dict[str, int] | None = None,
 ) -> TinyGGUF:
     """A tiny random model of `arch` as llama.cpp would write it: 2-D weights of
     `weight_type` (F32, F16, BF16 or a type gguf.quants.quantize knows), norms and biases F32.
-    `file_arch` overrides general.architecture (an unsupported one, for the error tests)."""
+    `type_overrides` maps a part of an HF name ("v_proj") to the type of the 2-D weights
+    whose names hold it (a mix, as llama-quantize's Q4_K_M writes). `file_arch` overrides
+    general.architecture (an unsupported one, for the error tests)."""
     s = shapes or Shapes()
     tokens, types, merges = byte_level_vocab()
     rng = np.random.default_rng(seed)
@@ -182,6 +185,8 @@ def write_tiny_gguf(
         qtype = Q.F32
         if value.ndim == 2:
             qtype = embed_type if (embed_type is not None and "embed" in hf_name) else weight_type
+            for part, override in (type_overrides or {}).items():
+                qtype = override if part in hf_name else qtype
         out.types[hf_name] = qtype
         _add(w, gguf_name(hf_name), stored, qtype)
     for tname, (value, qtype) in (extra_tensors or {}).items():
@@ -200,13 +205,87 @@ def _add(w: Any, name: str, value: np.ndarray, qtype: int) -> None:
         w.add_tensor(name, value.astype(np.float32))
     elif qtype == Q.F16:
         w.add_tensor(name, value.astype(np.float16))
-    elif qtype in K_QUANTS:  # gguf-py can't quantize these: random blocks, seeded by shape
-        block, nbytes = gguf.GGML_QUANT_SIZES[Q(qtype)]
-        rng = np.random.default_rng(value.size)
-        raw = rng.integers(0, 256, (value.shape[0], value.shape[1] // block * nbytes), np.uint8)
-        w.add_tensor(name, raw, raw_dtype=Q(qtype))
     else:
-        w.add_tensor(name, quants.quantize(value, Q(qtype)), raw_dtype=Q(qtype))
+        w.add_tensor(name, quantize(value, qtype), raw_dtype=Q(qtype))
+
+
+def quantize(value: np.ndarray, qtype: int) -> np.ndarray:
+    """`value` [N, K] as `qtype` blocks: gguf-py's quantizer, or for the K-quants (which
+    gguf-py cannot write) `quantize_k`."""
+    if qtype in K_QUANTS:
+        return quantize_k(value, qtype)
+    return np.asarray(quants.quantize(value, Q(qtype)))
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).reshape(-1, 1).view(np.uint8)  # [blocks, 2]
+
+
+def quantize_k(value: np.ndarray, qtype: int) -> np.ndarray:
+    """`value` [N, K] (K a multiple of 256) as Q4_K, Q5_K or Q6_K blocks, by a plain
+    quantizer: each sub-block's range (Q6_K: its largest magnitude) in 6-bit (int8) scales of
+    the super-block's fp16 ones, round to nearest. Not llama.cpp's search for the best scales,
+    but the same layout (kernels/quant_formats.py), so what it writes is what a file holds."""
+    n = value.shape[0]
+    x = value.astype(np.float32).reshape(-1, 256)  # super-blocks
+    blocks = x.shape[0]
+    if qtype == Q.Q6_K:
+        sub = x.reshape(blocks, 16, 16)
+        scale = np.abs(sub).max(-1) / 31  # [blocks, 16]
+        d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)  # [blocks]
+        inv_d = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
+        sc = np.clip(np.round(scale * inv_d[:, None]), -128, 127).astype(np.int8)
+        step = d[:, None] * sc  # [blocks, 16]
+        inv = np.divide(1, step, out=np.zeros_like(step), where=step > 0)
+        q = (np.clip(np.round(sub * inv[..., None]), -32, 31) + 32).astype(np.uint8)
+        q = q.reshape(blocks, 2, 4, 32)  # halves of 128: four runs of 32
+        ql = np.concatenate(
+            [
+                (q[:, :, 0] & 15) | (q[:, :, 2] & 15) << 4,
+                (q[:, :, 1] & 15) | (q[:, :, 3] & 15) << 4,
+            ],
+            -1,
+        )
+        qh = (
+            (q[:, :, 0] >> 4)
+            | (q[:, :, 1] >> 4) << 2
+            | (q[:, :, 2] >> 4) << 4
+            | (q[:, :, 3] >> 4) << 6
+        )
+        raw = np.concatenate(
+            [ql.reshape(blocks, 128), qh.reshape(blocks, 64), sc.view(np.uint8), _f16_bytes(d)], -1
+        )
+        return raw.reshape(n, -1)
+    levels = 15 if qtype == Q.Q4_K else 31
+    sub = x.reshape(blocks, 8, 32)
+    low = np.minimum(sub.min(-1), 0)  # [blocks, 8]
+    scale = (sub.max(-1) - low) / levels
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
+    inv_d = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
+    inv_m = np.divide(1, dmin, out=np.zeros_like(dmin), where=dmin > 0)
+    sc = np.clip(np.round(scale * inv_d[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low * inv_m[:, None]), 0, 63).astype(np.uint8)
+    step = d[:, None] * sc
+    inv = np.divide(1, step, out=np.zeros_like(step), where=step > 0)
+    offset = (dmin[:, None] * m)[..., None]
+    q = np.clip(np.round((sub + offset) * inv[..., None]), 0, levels).astype(np.uint8)
+    scales = np.concatenate(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            m[:, :4] | (m[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4,
+        ],
+        -1,
+    )
+    q = q.reshape(blocks, 4, 2, 32)  # chunks of 64: sub-blocks 2c (low nibbles), 2c + 1 (high)
+    qs = ((q[:, :, 0] & 15) | (q[:, :, 1] & 15) << 4).reshape(blocks, 128)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), scales]
+    if qtype == Q.Q5_K:
+        bits = q >> 4  # [blocks, 4, 2, 32]
+        shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)
+        parts.append((bits << shifts[None, :, :, None]).sum(axis=(1, 2)).astype(np.uint8))
+    return np.concatenate([*parts, qs], -1).reshape(n, -1)
 
 
 def expected_values(tiny: TinyGGUF, hf_name: str) -> np.ndarray:
@@ -216,7 +295,7 @@ def expected_values(tiny: TinyGGUF, hf_name: str) -> np.ndarray:
         return value
     if qtype == Q.F16:
         return value.astype(np.float16).astype(np.float32)
-    return quants.dequantize(quants.quantize(value, Q(qtype)), Q(qtype)).reshape(value.shape)
+    return quants.dequantize(quantize(value, qtype), Q(qtype)).reshape(value.shape)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
