@@ -186,15 +186,11 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _int, _ptr, _i64, _i64, _i64,  # dtype code, x, its row stride, rows, K
         _ptr, _ptr, _int,  # qs (int8 [rows][K]), d (fp32 [rows][K / 32]), threads
     )),
-    "ae_linear_q8_0": (_int, (
-        _int, _ptr, _i64, _i64,  # dtype code, x, its row stride, rows
-        _ptr, _i64, _i64,  # weight (GGUF Q8_0 blocks, [N][K / 32]), N, K
+    "ae_quant_formats": (_int, ()),  # bit f: format code f runs (quant_formats.FORMATS)
+    "ae_linear_quant": (_int, (
+        _int, _int, _ptr, _i64, _i64,  # format code, dtype code, x, its row stride, rows
+        _ptr, _i64, _i64,  # weight (GGUF blocks, N rows of K / values blocks), N, K
         _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
-    )),
-    "ae_linear_q4_0": (_int, (
-        _int, _ptr, _i64, _i64,  # as ae_linear_q8_0, over Q4_0 blocks
-        _ptr, _i64, _i64,
-        _ptr, _ptr, _i64, _int,
     )),
 }  # fmt: skip
 
@@ -230,8 +226,9 @@ class NativeKernels:
     quant_paths: int
     quant_set_path: Callable[[int], int]
     quantize_rows_q8: Callable[..., None]
-    linear_q8_0: Callable[..., int]
-    linear_q4_0: Callable[..., int]
+    # which formats ae_linear_quant runs (bit f: format code f; see quant_formats.FORMATS)
+    quant_formats: int
+    linear_quant: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
     # how many items the caller took over from helpers since the last call
     pool_test_delay_helpers: Callable[[int], int]
@@ -338,8 +335,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         quant_paths=int(_function(lib, "ae_quant_paths")()),  # type: ignore[func-returns-value,call-overload]
         quant_set_path=_function(lib, "ae_quant_set_path"),  # type: ignore[arg-type]
         quantize_rows_q8=_function(lib, "ae_quantize_rows_q8"),
-        linear_q8_0=_function(lib, "ae_linear_q8_0"),  # type: ignore[arg-type]
-        linear_q4_0=_function(lib, "ae_linear_q4_0"),  # type: ignore[arg-type]
+        quant_formats=int(_function(lib, "ae_quant_formats")()),  # type: ignore[func-returns-value,call-overload]
+        linear_quant=_function(lib, "ae_linear_quant"),  # type: ignore[arg-type]
     )
 
 

@@ -1,10 +1,10 @@
-"""Linear layers over GGUF's legacy block-quantized weights, Q8_0 and Q4_0, on CPU: the native
-kernels (`csrc/quant_legacy.c`), a torch reference, and the block formats themselves.
+"""Linear layers over GGUF's block-quantized weights on CPU: the native kernels
+(`csrc/quant_legacy.c` for the blocks of 32, `csrc/quant_kquants.c` for the K-quants), a torch
+reference, and quantizers for tests.
 
-A weight [N, K] is kept as a GGUF file stores it: a uint8 tensor [N, K / 32 * block bytes], N
-rows of K / 32 blocks (ggml's `block_q8_0`: an fp16 scale then 32 int8, 34 bytes; `block_q4_0`:
-an fp16 scale then 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, weight
-= (nibble - 8) * scale, 18 bytes), so a tensor can be read in place from the file's mapping.
+A weight [N, K] is kept as a GGUF file stores it, a uint8 tensor [N, K / values * block bytes]
+of whole blocks (the formats: `quant_formats`), so a tensor can be read in place from the
+file's mapping.
 
 `linear_quant_cpu(x, qweight, qtype, bias)` is `x @ W^T + bias` as llama.cpp computes it: x's
 rows are quantized to int8 blocks of 32 with one fp32 scale each (`quantize_rows_q8_cpu`), a
@@ -17,8 +17,10 @@ The kernel's CPU path (`PATHS`: AVX512-VNNI, AVX2, scalar) is the best this buil
 `ASYNCENGINE_QUANT_PATH` names another (read when the kernels are first used) or `set_path`
 picks one (tests); the paths differ only in the order of the fp32 sums.
 
-`quantize_weight` makes Q8_0 / Q4_0 bytes from an fp32 matrix the way ggml's reference
-quantizers do (round to nearest), for tests; `dequantize` reads them back as fp32.
+`native_formats()` names the formats the native kernels run (the rest run on the torch
+reference). `quantize_weight` makes Q8_0 / Q4_0 bytes from an fp32 matrix the way ggml's
+reference quantizers do (round to nearest), for tests; `dequantize` reads any format back as
+fp32.
 """
 
 from __future__ import annotations
@@ -30,19 +32,33 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.kernels.cpu_native import DTYPE_CODES, NativeKernels, as_rows, require_native
+from asyncengine.kernels.quant_formats import (
+    FORMATS,
+    K_QUANTS,
+    LEGACY,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    dequantize,
+    quant_format,
+)
 
-QK = 32  # weights per block
-Q8_0, Q4_0 = "q8_0", "q4_0"
-BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
+__all__ = [
+    "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "QK", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1",
+    "Q5_K", "Q6_K", "Q8_0", "available_paths", "current_path", "dequantize",
+    "dequantize_rows_q8", "linear_quant_cpu", "linear_quant_torch", "native_formats",
+    "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight", "set_path",
+]  # fmt: skip
+
+QK = 32  # values per activation block (and per legacy weight block)
 # The kernels' CPU paths, by their number in quant_legacy.c.
 PATHS = ("scalar", "avx2", "avx512_vnni")
 PATH_ENV = "ASYNCENGINE_QUANT_PATH"
-
-
-def _check_qtype(qtype: str) -> int:
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"unsupported quantization type {qtype!r} (supported: {Q8_0}, {Q4_0})")
-    return BLOCK_BYTES[qtype]
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
@@ -55,7 +71,8 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
 def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     """`weight` [N, K] (K a multiple of 32) as GGUF `qtype` blocks: uint8 [N, K / 32 * block
     bytes], rounded as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` round."""
-    _check_qtype(qtype)
+    if qtype not in (Q8_0, Q4_0):
+        raise ValueError(f"quantize_weight writes {Q8_0} and {Q4_0}, not {qtype!r}")
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"K={k} is not a multiple of {QK}")
@@ -73,20 +90,6 @@ def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
         q = nib[..., : QK // 2] | (nib[..., QK // 2 :] << 4)
     scale = d.half().view(torch.uint8)  # [N, nb, 2], little-endian
     return torch.cat([scale, q], dim=-1).reshape(n, -1)
-
-
-def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """GGUF `qtype` blocks, uint8 [N, K / 32 * block bytes], as the fp32 weight [N, K]."""
-    block = _check_qtype(qtype)
-    n = qweight.shape[0]
-    blocks = qweight.reshape(n, -1, block)  # [N, nb, bytes]
-    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, nb, 1]
-    body = blocks[..., 2:].contiguous()
-    if qtype == Q8_0:
-        q = body.view(torch.int8).float()
-    else:
-        q = torch.cat([body & 15, body >> 4], dim=-1).float() - 8
-    return (q * d).reshape(n, -1)
 
 
 def quantize_rows_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +138,12 @@ def _kernels() -> NativeKernels:
     return lib
 
 
+def native_formats() -> tuple[str, ...]:
+    """The formats (of `FORMATS`) the native kernels run in this build."""
+    bits = _kernels().quant_formats
+    return tuple(name for name, f in FORMATS.items() if bits & (1 << f.code))
+
+
 def available_paths() -> tuple[str, ...]:
     """The kernels' CPU paths this build has (of `PATHS`), slowest first."""
     bits = _kernels().quant_paths
@@ -178,36 +187,39 @@ def quantize_rows_q8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear_quant_cpu(
-    x: torch.Tensor,  # [..., K] fp32 / bf16 / fp16 on CPU, K a multiple of 32
-    qweight: torch.Tensor,  # uint8 [N, K / 32 * block bytes], contiguous
-    qtype: str,
+    x: torch.Tensor,  # [..., K] fp32 / bf16 / fp16 on CPU, K a multiple of the block's values
+    qweight: torch.Tensor,  # uint8 [N, K / values * block bytes], contiguous
+    qtype: str,  # one of native_formats()
     bias: torch.Tensor | None = None,  # [N], x's dtype
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`x @ W^T + bias` by the native kernels (see the module docstring): one row runs as a
     matrix-vector product on the work pool, more rows as tiles that load each weight block
-    once for up to four rows."""
-    block = _check_qtype(qtype)
+    once for several rows."""
+    fmt = quant_format(qtype)
     lib = _kernels()
     rows = as_rows(x)
     m, k = rows.shape
     n = qweight.shape[0]
-    if k % QK or qweight.dtype != torch.uint8 or qweight.shape != (n, k // QK * block):
+    row_bytes = k // fmt.values * fmt.nbytes
+    if k % fmt.values or qweight.dtype != torch.uint8 or qweight.shape != (n, row_bytes):
         raise ValueError(
-            f"a {qtype} weight for K={k} is uint8 [N, {k // QK * block}] (K a multiple of "
-            f"{QK}); got {qweight.dtype} {tuple(qweight.shape)}"
+            f"a {qtype} weight for K={k} is uint8 [N, {row_bytes}] (K a multiple of "
+            f"{fmt.values}); got {qweight.dtype} {tuple(qweight.shape)}"
         )
     if not qweight.is_contiguous():
         raise ValueError("the quantized weight must be contiguous")
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
-    args = (
-        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), m, qweight.data_ptr(), n, k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
+    status = lib.linear_quant(
+        fmt.code, DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), m, qweight.data_ptr(),
+        n, k, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+        torch.get_num_threads(),
     )  # fmt: skip
-    status = lib.linear_q8_0(*args) if qtype == Q8_0 else lib.linear_q4_0(*args)
     if status == -1:
         raise MemoryError(f"linear_quant_cpu: no memory for [{m}, {k}] int8 activations")
+    if status == -3:
+        raise ValueError(f"this build's native kernels do not run {qtype} (see native_formats())")
     if status != 0:
-        raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {QK}")
+        raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {fmt.values}")
     return out.reshape(*x.shape[:-1], n)

@@ -121,19 +121,30 @@ int64_t ae_lm_head_argmax_bf16(const void *x, int64_t x_st, int64_t M, const int
 void ae_lm_head_quantize(const void *w, int64_t N, int64_t K, int64_t Kp, int8_t *q, float *scale,
                          float *rnorm, int num_threads);
 
-/* quant_legacy.c: products over GGUF Q8_0 / Q4_0 weight blocks with x's rows quantized to
- * int8 blocks (0 on success, -1 when out of memory, -2 when K is not a multiple of 32); the
- * activation quantization they use; which paths were built, and the one to take */
+/* quant_legacy.c: products over GGUF's block-quantized weights with x's rows quantized to
+ * int8 blocks of 32 (ae_linear_quant: 0 on success, -1 when out of memory, -2 when K is not a
+ * multiple of the block, -3 for a format not run); the formats it runs; the activation
+ * quantization; which paths were built, and the one to take */
 int ae_quant_paths(void);
 int ae_quant_set_path(int path);
 void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
                          float *d, int num_threads);
-int ae_linear_q8_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
-int ae_linear_q4_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
+/* Format codes as quant_formats.FORMATS: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of
+ * 32, quant_legacy.c), 5 Q4_K, 6 Q5_K, 7 Q6_K (super-blocks of 256, quant_kquants.c). */
+#define AE_QUANT_Q4_K 5
+int ae_quant_formats(void);
+int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                    int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                    int num_threads);
 
 /* ---- Shared between the .c files, not called from Python ---- */
+
+/* quant_kquants.c: ae_linear_quant's K-quant formats, and which of them it runs (bit f:
+ * format code f) */
+int ae_kquant_formats(void);
+int ae_linear_kquant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                     int num_threads);
 
 /* attention.c: ae_paged_attention of bf16 on linear.c's work pool (pool.c), for
  * decode_layers.c: query [T][hq * head_dim] rows of stride q_st, out of stride o_st (heads

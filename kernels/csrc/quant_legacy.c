@@ -586,19 +586,26 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     return 0;
 }
 
-/*
- * out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N, with W in Q8_0 (or Q4_0)
- * blocks as described at the top and x's rows quantized to int8 blocks first.
- * dt: the dtype of x, bias and out (fp32, bf16 or fp16); x [M][K] with row stride x_st; w:
- * N rows of K / 32 blocks; bias: N values or NULL; out [M][N] with row stride o_st.
- * Returns 0; -1 when out of memory; -2 when K is not a positive multiple of 32.
- */
-int ae_linear_q8_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
-    return linear_quant(FMT_Q8_0, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+/* Bit f set for each format code f (quant_formats.FORMATS) that ae_linear_quant runs: this
+ * file's legacy formats and quant_kquants.c's. */
+int ae_quant_formats(void) {
+    return (1 << FMT_Q8_0) | (1 << FMT_Q4_0) | ae_kquant_formats();
 }
 
-int ae_linear_q4_0(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                   int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
-    return linear_quant(FMT_Q4_0, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+/*
+ * out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N, with W in the blocks of
+ * format fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1: this file, as described at the top;
+ * 5 Q4_K, 6 Q5_K, 7 Q6_K: quant_kquants.c) and x's rows quantized to int8 blocks of 32 first.
+ * dt: the dtype of x, bias and out (fp32, bf16 or fp16); x [M][K] with row stride x_st; w:
+ * N rows of whole blocks; bias: N values or NULL; out [M][N] with row stride o_st.
+ * Returns 0; -1 when out of memory; -2 when K is not a positive multiple of the block's
+ * values; -3 for a format this build does not run (ae_quant_formats).
+ */
+int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                    int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                    int num_threads) {
+    if (fmt >= AE_QUANT_Q4_K)
+        return ae_linear_kquant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+    if (fmt != FMT_Q8_0 && fmt != FMT_Q4_0) return -3;
+    return linear_quant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
 }

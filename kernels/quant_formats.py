@@ -1,0 +1,184 @@
+"""GGUF's block-quantized weight formats, as torch sees them: which exist, their block sizes,
+and the torch reference that dequantizes them (the quantized kernels' tests check against it,
+a quantized embedding reads its rows through it, and a build without the native kernels runs
+on it).
+
+A weight [N, K] is kept as a GGUF file stores it: uint8 [N, K / values * bytes], N rows of
+whole blocks (ggml-common.h's `block_*` structs, little-endian, fp16 scales):
+
+- Q8_0 (32 values, 34 bytes): d, 32 int8 q; w = q * d.
+- Q4_0 (32, 18): d, 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31;
+  w = (q - 8) * d.
+- Q4_1 (32, 20): d, m, the nibbles as Q4_0; w = q * d + m.
+- Q5_0 (32, 22): d, qh (uint32: bit j is element j's fifth bit), the low nibbles as Q4_0;
+  w = (q - 16) * d.
+- Q5_1 (32, 24): d, m, qh, nibbles; w = q * d + m.
+- Q4_K (256, 144): d, dmin, 12 bytes of eight 6-bit scales and mins (`_k4_scales`), 128
+  bytes: 64-value chunk c's elements 0-31 are the low nibbles of bytes 32c..32c+31, 32-63 the
+  high ones; sub-block j (32 values) has w = d * sc[j] * q - dmin * m[j].
+- Q5_K (256, 176): d, dmin, 12 bytes of scales, qh[32] (chunk c's fifth bits: bit 2c of
+  qh[l] for element l, bit 2c + 1 for element l + 32), 128 bytes of nibbles as Q4_K.
+- Q6_K (256, 210): ql[128], qh[64], 16 int8 scales (one per 16 values), d;
+  w = d * sc[i / 16] * (q - 32), q six bits (see `_dequantize_q6_k`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str  # the qtype string used everywhere ("q4_k")
+    code: int  # its number in the native kernels (`ae_linear_quant`'s fmt)
+    values: int  # values per block
+    nbytes: int  # bytes per block
+
+
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
+Q4_K, Q5_K, Q6_K = "q4_k", "q5_k", "q6_k"
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat(Q8_0, 0, 32, 34),
+        QuantFormat(Q4_0, 1, 32, 18),
+        QuantFormat(Q4_1, 2, 32, 20),
+        QuantFormat(Q5_0, 3, 32, 22),
+        QuantFormat(Q5_1, 4, 32, 24),
+        QuantFormat(Q4_K, 5, 256, 144),
+        QuantFormat(Q5_K, 6, 256, 176),
+        QuantFormat(Q6_K, 7, 256, 210),
+    )
+}
+LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # blocks of 32 (kernels/csrc/quant_legacy.c)
+K_QUANTS = (Q4_K, Q5_K, Q6_K)  # super-blocks of 256 (kernels/csrc/quant_kquants.c)
+
+
+def quant_format(qtype: str) -> QuantFormat:
+    """The format named `qtype`; ValueError naming the supported ones otherwise."""
+    try:
+        return FORMATS[qtype]
+    except KeyError:
+        names = ", ".join(FORMATS)
+        raise ValueError(f"unsupported quantization type {qtype!r} (supported: {names})") from None
+
+
+def in_features(qweight: torch.Tensor, qtype: str) -> int:
+    """K of a `qtype` weight uint8 [N, K / values * bytes]; ValueError if it is not one."""
+    fmt = quant_format(qtype)
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] % fmt.nbytes:
+        raise ValueError(
+            f"a {qtype} weight is uint8 [N, a multiple of {fmt.nbytes} bytes], got "
+            f"{qweight.dtype} {tuple(qweight.shape)}"
+        )
+    return qweight.shape[1] // fmt.nbytes * fmt.values
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes [..., 2] (little-endian fp16) as fp32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes [..., 16] as their 32 nibbles [..., 32]: the low ones first (ggml's order)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    """qh [..., 4] (a little-endian uint32) as its 32 bits [..., 32], bit 0 first."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (qh.unsqueeze(-1) >> shifts) & 1  # [..., 4, 8]
+    return bits.flatten(-2)
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 scale bytes of a Q4_K / Q5_K block [..., 12] as eight 6-bit scales and eight
+    6-bit mins [..., 8] each (ggml's get_scale_min_k4)."""
+    s = s.to(torch.int32)
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], -1), torch.cat([lo_m, hi_m], -1)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:  # [..., 210] -> [..., 256]
+    ql, qh = b[..., :128].to(torch.int32), b[..., 128:192].to(torch.int32)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[..., 208:210])
+    halves = []
+    for h in range(2):  # 128 values each: ql[64h : 64h + 64], qh[32h : 32h + 32]
+        lo, hi = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
+        q = torch.cat(
+            [
+                (lo[..., :32] & 15) | ((hi & 3) << 4),
+                (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4),
+                (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4),
+                (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4),
+            ],
+            dim=-1,
+        )  # [..., 128]
+        halves.append(q - 32)
+    q = torch.cat(halves, -1).float()  # [..., 256]
+    return q * sc.repeat_interleave(16, dim=-1) * d
+
+
+def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`qtype` blocks, uint8 [N, K / values * bytes], as the fp32 weight [N, K]."""
+    fmt = quant_format(qtype)
+    k = in_features(qweight, qtype)
+    n = qweight.shape[0]
+    b = qweight.reshape(n, -1, fmt.nbytes)  # [N, blocks, bytes]
+    if qtype == Q8_0:
+        w = b[..., 2:].contiguous().view(torch.int8).float() * _f16(b[..., :2])
+    elif qtype == Q4_0:
+        w = (_nibbles(b[..., 2:]).float() - 8) * _f16(b[..., :2])
+    elif qtype == Q4_1:
+        w = _nibbles(b[..., 4:]).float() * _f16(b[..., :2]) + _f16(b[..., 2:4])
+    elif qtype in (Q5_0, Q5_1):
+        off = 0 if qtype == Q5_0 else 2  # Q5_1 has m after d
+        q = (_nibbles(b[..., 6 + off :]) | (_bits(b[..., 2 + off : 6 + off]) << 4)).float()
+        d = _f16(b[..., :2])
+        w = (q - 16) * d if qtype == Q5_0 else q * d + _f16(b[..., 2:4])
+    elif qtype in (Q4_K, Q5_K):
+        d, dmin = _f16(b[..., :2]), _f16(b[..., 2:4])
+        sc, m = _k4_scales(b[..., 4:16])  # [N, blocks, 8]
+        qs = b[..., -128:].reshape(n, -1, 4, 32)  # 4 chunks of 64 values
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int32)  # [N, blocks, 4, 64]
+        if qtype == Q5_K:
+            qh = b[..., 16:48].to(torch.int32).unsqueeze(-2)  # [N, blocks, 1, 32]
+            shift = 2 * torch.arange(4, dtype=torch.int32).view(4, 1)
+            q = q + 16 * torch.cat([(qh >> shift) & 1, (qh >> (shift + 1)) & 1], dim=-1)
+        q = q.reshape(n, -1, 8, 32).float()
+        w = d.unsqueeze(-1) * sc.float().unsqueeze(-1) * q - (
+            dmin.unsqueeze(-1) * m.float().unsqueeze(-1)
+        )
+    else:
+        w = _dequantize_q6_k(b)
+    return w.reshape(n, k)
+
+
+def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Random valid `qtype` blocks for an [n, k] weight (k a multiple of the block's values):
+    random quants, scales in fp16 of moderate size (no inf or NaN), for kernel tests of the
+    formats no quantizer here writes."""
+    fmt = quant_format(qtype)
+    if k % fmt.values:
+        raise ValueError(f"K={k} is not a multiple of {fmt.values} ({qtype})")
+    blocks = n * k // fmt.values
+    raw = torch.randint(0, 256, (blocks, fmt.nbytes), dtype=torch.uint8, generator=generator)
+
+    def f16(lo: float, hi: float) -> torch.Tensor:
+        v = torch.rand(blocks, 1, generator=generator) * (hi - lo) + lo
+        return v.half().view(torch.uint8)  # [blocks, 2]
+
+    if qtype in (Q4_K, Q5_K):
+        raw[:, 0:2], raw[:, 2:4] = f16(1e-3, 2e-2), f16(1e-3, 2e-2)
+    elif qtype == Q6_K:
+        raw[:, 208:210] = f16(1e-3, 2e-2)
+    else:
+        raw[:, 0:2] = f16(-0.05, 0.05)
+        if qtype in (Q4_1, Q5_1):
+            raw[:, 2:4] = f16(-0.5, 0.5)
+    return raw.reshape(n, -1)
