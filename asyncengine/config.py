@@ -101,6 +101,10 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r}: must be True or False")
 
 
+# What `quantization=` takes: None (the checkpoint's weights as they are) or "int8".
+QUANTIZATIONS: tuple[str | None, ...] = (None, "int8")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the worker needs to load and run the model."""
@@ -126,6 +130,9 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     # CUDA: run every step eagerly, capturing no CUDA graphs for decode steps.
     enforce_eager: bool = False
+    # "int8": the checkpoint's linear weights quantized at load (model/quant_linear.py);
+    # None: as the checkpoint stores them.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         """ValueError naming the field whose value this config can't hold."""
@@ -140,6 +147,9 @@ class ModelConfig:
         _check_int("seed", self.seed, 0)
         _check_resolved("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _check_bool("enforce_eager", self.enforce_eager)
+        if self.quantization not in QUANTIZATIONS:
+            allowed = ", ".join(repr(q) for q in QUANTIZATIONS)
+            raise ValueError(f"quantization={self.quantization!r} is invalid: one of {allowed}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +411,7 @@ class EngineConfig:
         generation_config: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        quantization: str | None = None,
         **unknown: Any,
     ) -> EngineConfig:
         """The config of the keywords of `LLM(...)` / `AsyncLLM.from_pretrained(...)`.
@@ -418,7 +429,9 @@ class EngineConfig:
             model_dir, hf, generation, generation_config,
             dtype=dtype, device=on, max_model_len=max_model_len, seed=seed,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
+            quantization=quantization,
         )  # fmt: skip
+        _check_quantization(model_config, tensor_parallel_size)
         if on == "cpu" and num_kv_blocks is None and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = _CPU_DEFAULT_KV_BYTES
         if distributed_executor_backend is None:
@@ -519,6 +532,7 @@ def _model_config(
     seed: int,
     attention_backend: str,
     enforce_eager: bool = False,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """The model's shapes from its config.json, with the keywords' 'auto' values resolved."""
     model_len_limit = _model_len_limit(hf)
@@ -542,7 +556,32 @@ def _model_config(
         sampling_defaults=_sampling_defaults(generation, generation_source),
         max_position_embeddings=model_len_limit,
         enforce_eager=enforce_eager,
+        quantization=quantization,
     )
+
+
+def _check_quantization(mc: ModelConfig, tensor_parallel_size: int) -> None:
+    """ValueError where `quantization` cannot apply: it quantizes a Hugging Face checkpoint
+    onto the lean CPU forward's int8 kernels (whether the lean loader takes the checkpoint
+    is checked as the model loads: model/loader.py)."""
+    if mc.quantization is None:
+        return
+    where = f"quantization={mc.quantization!r}"
+    if is_gguf_file(mc.model):
+        raise ValueError(
+            f"{where} quantizes a Hugging Face checkpoint's weights; {mc.model} is a GGUF file, "
+            "whose weights are quantized already: leave quantization unset"
+        )
+    if mc.attention_backend != "cpu":
+        raise ValueError(
+            f"{where} runs on the CPU (device 'cpu', attention backend 'cpu') only; this "
+            f"config has attention backend {mc.attention_backend!r}"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"{where} does not run with tensor parallelism (tensor_parallel_size="
+            f"{tensor_parallel_size}); use tensor_parallel_size=1, or data parallelism"
+        )
 
 
 def _default_batched_tokens(device: str, mc: ModelConfig) -> int:

@@ -121,6 +121,10 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--enforce-eager", dict(dest="enforce_eager", action="store_const", const=True,
                              help="on CUDA, run every step eagerly: capture no CUDA graphs "
                                   "for decode steps (default: capture them at start-up)")),
+    ("--quantization", dict(dest="quantization", choices=("int8",),
+                            help="quantize a Hugging Face checkpoint's linear weights at load: "
+                                 "int8, per output channel, on the CPU (default: none; a GGUF "
+                                 "file is quantized already)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)

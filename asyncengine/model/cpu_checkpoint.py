@@ -37,6 +37,7 @@ from asyncengine.heap import libc_function, release_free_heap
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
 from asyncengine.model.cpu_linear import PackedLinear, linear_layer, packs
 from asyncengine.model.lean_layer import LeanLayer
+from asyncengine.model.quant_linear import int8_linear
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,10 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
         def maybe(name: str) -> torch.Tensor | None:  # a bias or head norm the model has
             return keep(name) if name in expected else None
 
+        make = _int8_layer if model_config.quantization == "int8" else linear_layer
         layers = []
         for i in range(model_config.num_layers):
-            layers.append(_load_layer(plan, i, get, keep, maybe))
+            layers.append(_load_layer(plan, i, get, keep, maybe, make))
             if copy_kept:  # the layer holds copies only: its pages of the file can go
                 tensors.release()
             # and so can the heap the layer's temporaries (joined weights before packing)
@@ -321,7 +323,15 @@ def _open_tensors(files: dict[str, Path]) -> Iterator[_Tensors]:
         yield _Tensors(files, stack)
 
 
-def _load_layer(plan: _Plan, i: int, get: Any, keep: Any, maybe: Any) -> LeanLayer:
+def _int8_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """`quantization="int8"`: the projection quantized per output channel (int8_linear),
+    or as it is where its K is not a multiple of 32."""
+    return int8_linear(weight, bias) or linear_layer(weight, bias)
+
+
+def _load_layer(
+    plan: _Plan, i: int, get: Any, keep: Any, maybe: Any, make: Any = linear_layer
+) -> LeanLayer:
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     names = [attn + f"{x}_proj" for x in "qkv"]
@@ -330,18 +340,18 @@ def _load_layer(plan: _Plan, i: int, get: Any, keep: Any, maybe: Any) -> LeanLay
     joint = joint_weights(qkv_w, qkv_b)
     q_proj = k_proj = v_proj = qkv = None
     if joint is not None:
-        qkv = linear_layer(*joint)
+        qkv = make(*joint)
     else:
-        q_proj, k_proj, v_proj = (linear_layer(w, b) for w, b in zip(qkv_w, qkv_b, strict=True))
+        q_proj, k_proj, v_proj = (make(w, b) for w, b in zip(qkv_w, qkv_b, strict=True))
     del qkv_w, qkv_b, joint  # the joint copy replaces them: free them before the next layer
     gate_w, up_w = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
     gate_b, up_b = maybe(mlp + "gate_proj.bias"), maybe(mlp + "up_proj.bias")
     joint = joint_weights([gate_w, up_w], [gate_b, up_b])
     gate_proj = up_proj = gate_up = None
     if joint is not None:
-        gate_up = linear_layer(*joint)
+        gate_up = make(*joint)
     else:
-        gate_proj, up_proj = linear_layer(gate_w, gate_b), linear_layer(up_w, up_b)
+        gate_proj, up_proj = make(gate_w, gate_b), make(up_w, up_b)
     del gate_w, up_w, joint
     head_dim = plan.rope.head_dim
     return LeanLayer(
@@ -356,10 +366,10 @@ def _load_layer(plan: _Plan, i: int, get: Any, keep: Any, maybe: Any) -> LeanLay
         k_norm=maybe(attn + "k_norm.weight"),
         head_eps=plan.eps,
         num_kv_heads=plan.num_kv_heads,
-        o_proj=linear_layer(get(attn + "o_proj.weight"), maybe(attn + "o_proj.bias")),
+        o_proj=make(get(attn + "o_proj.weight"), maybe(attn + "o_proj.bias")),
         gate_up=gate_up,
         gate_proj=gate_proj,
         up_proj=up_proj,
-        down_proj=linear_layer(get(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias")),
+        down_proj=make(get(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias")),
         scale=head_dim**-0.5,
     )

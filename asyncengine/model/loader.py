@@ -54,6 +54,12 @@ def choose_model(model_config: ModelConfig, *, tensor_parallel: bool = False) ->
             f"'cpu', attention backend 'cpu', no tensor parallel, the native CPU kernels), "
             f"which cannot run it here: {reason}"
         )
+    if reason is not None and model_config.quantization is not None:
+        raise ValueError(
+            f"quantization={model_config.quantization!r} runs on the lean CPU forward only "
+            f"(Llama, Mistral, Qwen2 and Qwen3 safetensors checkpoints, device 'cpu', the "
+            f"native CPU kernels), which cannot run {model_config.model}: {reason}"
+        )
     return ModelChoice(reason is None, native, reason)
 
 
