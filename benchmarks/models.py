@@ -11,6 +11,10 @@
   4864, vocab 151936, tied embeddings, q/k/v biases; ~0.5B parameters) and SmolLM2's
   tokenizer (49152 ids: the model's vocabulary is padded, as real checkpoints' often are,
   and the tokenizer can spell JSON); built only when asked for.
+- `e`: a random Llama with Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32/8 heads, MLP
+  8192, vocab 128256, tied embeddings, rope theta 500000; ~1.24B parameters) and SmolLM2's
+  tokenizer (vocabulary padded, as d's); built only when asked for. The quantized runs
+  (`python -m benchmarks.peers --quant ...`) use GGUF files of it made by llama.cpp's tools.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".bench"
-MODEL_NAMES = ("a", "b", "c", "d")
+MODEL_NAMES = ("a", "b", "c", "d", "e")
 
 # Overrides of the transformers LlamaConfig (see asyncengine.testing.models).
 _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
@@ -45,6 +49,18 @@ _RANDOM_LLAMAS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
         max_position_embeddings=2048,
     ),
+    # Llama-3.2-1B's shapes (without its llama3 rope scaling: the lengths run here are short)
+    "e": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
 }
 # Qwen2.5-0.5B's shapes (model d; benchmarks/gpu_engine.py builds them too).
 QWEN2_05B = dict(
@@ -60,7 +76,7 @@ QWEN2_05B = dict(
 _SEED = 0
 # The models that take SmolLM2's tokenizer in place of the tiny word-level one (which llama.cpp's
 # converter cannot name a pre-tokenizer for).
-_SMOLLM2_TOKENIZER = ("c",)
+_SMOLLM2_TOKENIZER = ("c", "e")
 _MARKER = "bench-model.json"  # written last: its presence means the folder is complete
 
 
