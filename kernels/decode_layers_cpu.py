@@ -11,12 +11,18 @@ from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
 
 # ae_kernels.h's enum ae_layer_field, in its order (tests/model/test_decode_layers.py checks):
 # the columns of the per-layer table of addresses. A weight's "*_kp" column is 0 for the dense
-# kernel's panels (linear_dense.c), else the padded input extent of linear.c's blocks.
+# kernel's panels (linear_dense.c), > 0 the padded input extent of linear.c's blocks, < 0 for
+# GGUF blocks of quantized format code -kp - 1 (quant_formats.FORMATS; `quant_kp`).
 LAYER_FIELDS = (
     "in_norm", "post_norm", "q_w", "k_w", "v_w", "q_b", "k_b", "v_b", "o_w", "o_b",
     "gate_w", "up_w", "gate_b", "up_b", "down_w", "down_b", "q_norm", "k_norm", "kv_cache",
     "q_kp", "k_kp", "v_kp", "o_kp", "gate_kp", "up_kp", "down_kp",
 )  # fmt: skip
+
+
+def quant_kp(code: int) -> int:
+    """The "*_kp" value of a weight in GGUF blocks of quantized format `code`."""
+    return -code - 1
 
 
 def decode_layers_bf16(

@@ -7,11 +7,13 @@ order from C, on buffers allocated once per step, so its numbers are `CpuForward
 loop's to the bit.
 
 It applies to a bf16 model whose every projection runs on a native kernel: `NativeDenseLinear`
-(CPUs without AVX512-BF16) or a `PackedLinear` whose product the native kernels take
-(`PackedLinear.native`, AVX512-BF16 CPUs), with one eps, head-norm eps and attention scale
-across its layers; and to a step with no prefill chunk long enough for SDPA and fewer tokens
-than MAX_TOKENS and than the packed layers' `native_max_rows` allows (4 on CPUs with AMX,
-where oneDNN's tile kernels take more rows). `CpuForward` runs its Python loop otherwise.
+(CPUs without AVX512-BF16), a `PackedLinear` whose product the native kernels take
+(`PackedLinear.native`, AVX512-BF16 CPUs) or a `QuantLinear` of a format the native quantized
+kernels run (GGUF files, `quantization="int8"`), in any mix, with one eps, head-norm eps and
+attention scale across its layers; and to a step with no prefill chunk long enough for SDPA
+and fewer tokens than MAX_TOKENS and than the packed layers' `native_max_rows` allows (4 on
+CPUs with AMX, where oneDNN's tile kernels take more rows). `CpuForward` runs its Python loop
+otherwise.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from __future__ import annotations
 import torch
 
 from asyncengine.kernels.cpu_native import NativeKernels, load_native
-from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS, decode_layers_bf16
+from asyncengine.kernels.decode_layers_cpu import LAYER_FIELDS, decode_layers_bf16, quant_kp
 from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
+from asyncengine.kernels.quant_formats import quant_format
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear, PackedLinear
 from asyncengine.model.lean_layer import LeanLayer
+from asyncengine.model.quant_linear import QuantLinear
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop: there the kernels' own time dwarfs the calls'
@@ -140,6 +144,8 @@ def _layer_row(
             if not (put(f"{prefix}_w", module.packed) and put(f"{prefix}_b", module.bias)):
                 return None
             return int(module.out_features)
+        if type(module) is QuantLinear:
+            return _put_quant(module, in_features, prefix, fields, keep)
         if type(module) is not PackedLinear or module.in_features != in_features:
             return None
         native = module.native  # None unless bf16 weight and bias on the AVX512-BF16 build
@@ -184,3 +190,23 @@ def _layer_row(
     if put_linear("down", layer.down_proj, inter) != hidden or hq % hkv:
         return None
     return fields, (hidden, hq, hkv, head_dim, inter)
+
+
+def _put_quant(
+    module: QuantLinear, in_features: int, prefix: str, fields: list[int], keep: list[object]
+) -> int | None:
+    """A QuantLinear's row fields (its blocks, a bf16 copy of its bias, its format as "*_kp");
+    its output width, None where the native kernels do not run its format."""
+    if not module.native or module.in_features != in_features:
+        return None
+    weight = module.qweight
+    if not weight.is_contiguous():
+        return None
+    keep.append(weight)
+    fields[_FIELD[f"{prefix}_w"]] = weight.data_ptr()
+    if module.bias is not None:
+        bias = module.bias.to(torch.bfloat16).contiguous()
+        keep.append(bias)
+        fields[_FIELD[f"{prefix}_b"]] = bias.data_ptr()
+    fields[_FIELD[f"{prefix}_kp"]] = quant_kp(quant_format(module.qtype).code)
+    return int(module.out_features)

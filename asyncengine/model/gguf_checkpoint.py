@@ -11,8 +11,8 @@ as the file stores them.
   quantized lm_head (most GGUF files tie it to the embedding) is a `QuantLinear`, so the
   model returns logits (the int8 lm_head screen reads packed bf16 weights only).
 
-A model with any quantized projection runs the layers one op at a time (the fused native
-decode-layer call takes packed bf16 weights only: `NativeDecodeLayers.build` declines).
+In bf16, decode steps run the layers in the one native call (`decode_layers.py`) where the
+native kernels run every quantized format the file holds; otherwise one op at a time.
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self.out_features = qweight.shape[0]
         self.in_features = in_features(qweight, qtype)
-        self._native = qtype in _native_formats()
+        self.native = qtype in _native_formats()  # else the torch reference runs it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self._native:
+        if self.native:
             return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
         return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
 

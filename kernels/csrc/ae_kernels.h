@@ -74,8 +74,9 @@ void ae_dense_panel_order(int32_t *order);
 /* decode_layers.c: the lean forward's decoder layers in one call. `layers` is [num_layers]
  * rows of AE_LAYER_FIELDS addresses (0 for absent: a joint q/k/v weight leaves K_W and V_W 0,
  * a joint gate/up weight leaves UP_W 0; biases and Qwen3's head norms may be 0). A weight's
- * *_KP field says which kernel reads it: 0, linear_dense.c's panels; else linear.c's blocks,
- * with that padded input extent. */
+ * *_KP field says which kernel reads it: 0, linear_dense.c's panels; > 0, linear.c's blocks,
+ * with that padded input extent; < 0, GGUF blocks of ae_linear_quant's format -KP - 1 (its
+ * bias bf16). */
 enum ae_layer_field {
     AE_LAYER_IN_NORM, AE_LAYER_POST_NORM, AE_LAYER_Q_W, AE_LAYER_K_W, AE_LAYER_V_W,
     AE_LAYER_Q_B, AE_LAYER_K_B, AE_LAYER_V_B, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_GATE_W,

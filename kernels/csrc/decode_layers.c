@@ -1,7 +1,8 @@
 /*
  * The lean CPU forward's decoder layers in one call (ae_decode_layers_bf16), for bf16 models
  * whose linear layers run on the native kernels (linear_dense.c's panels on AVX2 CPUs,
- * linear.c's blocks on AVX512-BF16 ones) and whose step has no long prefill chunk.
+ * linear.c's blocks on AVX512-BF16 ones, GGUF's quantized blocks on quant_legacy.c's and
+ * quant_kquants.c's kernels, in any mix) and whose step has no long prefill chunk.
  *
  * Why: a SmolLM2 decode step is 30 layers of six to nine kernel calls. From Python each call
  * costs 15-40 us of interpreter, ctypes and tensor allocation on top of its work (measured on
@@ -27,8 +28,9 @@
 #include "ae_kernels.h"
 #include "pool.h"
 
-/* A weight as the table gives it: its address, its bias (0: none) and, for linear.c's layout,
- * its padded input extent (0: linear_dense.c's panels). */
+/* A weight as the table gives it: its address, its bias (0: none) and which kernel reads it:
+ * kp > 0, linear.c's blocks with that padded input extent; 0, linear_dense.c's panels; kp < 0,
+ * GGUF blocks of quantized format -kp - 1 (ae_linear_quant's format codes). */
 struct weight {
     const void *w, *b;
     int64_t kp;
@@ -42,10 +44,13 @@ static struct weight weight_at(const int64_t *p, int w, int b, int kp) {
  * kernel had no memory. */
 static int product(const void *x, int64_t ldx, int64_t T, struct weight wt, int64_t N,
                    int64_t K, void *out, int64_t ldo, int threads) {
-    if (wt.kp) {
+    if (wt.kp > 0) {
         ae_linear_bf16(x, ldx, T, wt.w, N, K, wt.kp, wt.b, out, ldo, threads);
         return 0;
     }
+    if (wt.kp < 0)
+        return ae_linear_quant((int)(-wt.kp - 1), AE_BF16, x, ldx, T, wt.w, N, K, wt.b, out, ldo,
+                               threads);
     return ae_linear_bf16_dense(x, ldx, T, wt.w, N, K, wt.b, out, ldo, threads);
 }
 
@@ -55,7 +60,7 @@ static int product(const void *x, int64_t ldx, int64_t T, struct weight wt, int6
 static int product_add_norm(const void *x, int64_t ldx, int64_t T, struct weight wt, int64_t N,
                             int64_t K, void *buf, void *residual, const void *norm, float eps,
                             void *out, int threads) {
-    if (wt.kp && N % 16 == 0) {
+    if (wt.kp > 0 && N % 16 == 0) {
         ae_linear_add_rms_norm_bf16(x, ldx, T, wt.w, N, K, wt.kp, wt.b, buf, residual, N, norm,
                                     eps, out, N, threads);
         return 0;
@@ -65,9 +70,9 @@ static int product_add_norm(const void *x, int64_t ldx, int64_t T, struct weight
     return 0;
 }
 
-/* Over linear.c's weights, steps of up to AE_POOL_MAX_ROWS tokens run their products and
- * attention on its work pool (pool.c), where no thread waits for one that is not running, and
- * the small kernels between them (the first norm, rotary with the cache write: a few
+/* Over linear.c's or quantized weights, steps of up to AE_POOL_MAX_ROWS tokens run their
+ * products and attention on its work pool (pool.c), where no thread waits for one that is not
+ * running, and the small kernels between them (the first norm, rotary with the cache write: a few
  * microseconds at these sizes) in the calling thread, so that no OpenMP region shares the
  * cores with the pool's helpers, which spin for the next job meanwhile. Larger steps run every
  * kernel on OpenMP, as the products do (linear.c's use_pool). */
@@ -141,7 +146,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
             return -1;
         struct weight gate = weight_at(p, AE_LAYER_GATE_W, AE_LAYER_GATE_B, AE_LAYER_GATE_KP);
         if (p[AE_LAYER_UP_W] == 0) { /* gate and up side by side in one weight */
-            if (gate.kp && inter % 64 == 0) { /* linear.c's fused silu: whole column blocks */
+            if (gate.kp > 0 && inter % 64 == 0) { /* linear.c's fused silu: whole blocks */
                 ae_linear_silu_bf16(x, hidden, T, gate.w, 2 * inter, hidden, gate.kp, gate.b,
                                     act, inter, threads);
                 continue;

@@ -97,6 +97,53 @@ def test_native_layers_give_the_python_loops_numbers(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_int8_layers_give_the_python_loops_numbers(
+    arch: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`quantization="int8"` projections (Q8_0 kernels) beside the packed or dense lm_head."""
+    model_dir = tiny_model_factory(arch)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    run = lambda: engine_tokens_and_logprobs(  # noqa: E731
+        model_dir, _prompts(), params, dtype="bfloat16", max_num_batched_tokens=16,
+        num_kv_blocks=32, quantization="int8",
+    )  # fmt: skip
+    spy = _Spy(monkeypatch)
+    native = run()
+    assert spy.ran > 10 and spy.declined == 0
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
+    assert run() == native
+
+
+@pytest.mark.timeout(300)
+def test_a_gguf_mix_of_types_gives_the_python_loops_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """A GGUF file of Q4_0 projections, Q8_0 v projections and F16 (packed or dense) down
+    projections: every native format the build runs, side by side in the one call."""
+    if route == "dense":
+        pytest.skip("one route is enough: the float layers are the other test's")
+    pytest.importorskip("gguf")
+    from test_gguf_files import Q, write_tiny_gguf
+
+    tiny = write_tiny_gguf(
+        tmp_path / "mix.gguf", "qwen2", weight_type=Q.Q4_0, embed_type=Q.Q8_0, seed=2,
+        type_overrides={"v_proj": Q.Q8_0, "down_proj": Q.F16},
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[t % 250 for t in p] for p in _prompts()]  # the tiny file's vocabulary: 268
+    run = lambda: engine_tokens_and_logprobs(  # noqa: E731
+        tiny.path, prompts, params, dtype="bfloat16", max_num_batched_tokens=16,
+        num_kv_blocks=32,
+    )  # fmt: skip
+    spy = _Spy(monkeypatch)
+    native = run()
+    assert spy.ran > 10 and spy.declined == 0
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
+    assert run() == native
+
+
+@pytest.mark.timeout(300)
 def test_widths_off_the_fused_kernels_blocks(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
