@@ -58,7 +58,8 @@ def peer_table(record: RunRecord, peer: str) -> str | None:
     per model, both engines' figures (medians of the rounds) and the ratio (the median of
     each round's own, its range in brackets); None where the run has no such pairs."""
     _, target_peer, label = next(p for p in PEERS if p[0] == peer)
-    targets = [t for t in TARGETS if t.peer == target_peer]
+    # one column per figure: a GGUF-only target repeats a bf16 one's figure with its own bound
+    targets = [t for t in TARGETS if t.peer == target_peer and t.models != "gguf"]
     rows = []
     for model in models_of(record.results):
         per_target = [target_rounds(record.rounds, model, t) for t in targets]

@@ -1,8 +1,9 @@
 """asyncengine against llama.cpp, vLLM (CPU build) and transformers, side by side in one run.
 
-    python -m benchmarks.peers [--model a|b|c|d ...] [--engines asyncengine,llama.cpp,...]
+    python -m benchmarks.peers [--model a|b|c|d|e ...] [--engines asyncengine,llama.cpp,...]
         [--modes offline,async,batched,serve] [--python ENGINE=PATH ...] [--repeats 3]
-        [--rounds 1] [--json run.json] [--plot-dir docs/img] [--update-doc [DOC]]
+        [--rounds 1] [--quant q8_0,q4_k_m] [--json run.json] [--plot-dir docs/img]
+        [--update-doc [DOC]]
     python -m benchmarks.peers --from-json run.json [--plot-dir ...] [--update-doc [DOC]]
 
 Run from the repository root. `nox -s bench_peers` builds one virtualenv per peer (and
@@ -20,7 +21,11 @@ modes in fresh processes:
   /v1/completions, 1/16/64 streams.
 
 llama.cpp gets each model converted to GGUF bf16 by its own converter (llamacpp.py);
-`--llama-q8` adds a Q8_0 run, for information only. The report: every engine's figures,
+`--llama-q8` adds a Q8_0 run, for information only. `--quant q8_0,q4_k_m` adds, per model,
+runs in which asyncengine and llama.cpp both serve the same quantized GGUF file, made by
+llama.cpp's converter and `llama-quantize` (gguf_quant.py), reported as models of their own
+("b: SmolLM2-135M-Instruct, Q8_0 GGUF") with issue 35's targets against llama.cpp and against
+asyncengine's own bf16 run of the model. The report: every engine's figures,
 asyncengine's ratios against vLLM's better setting and against llama.cpp with the targets
 (met only if met in every round), and a PNG per model (throughput and TTFT against streams).
 `--json` saves the run (record.py); `--from-json` makes the report, plots and doc tables again
@@ -41,6 +46,7 @@ from benchmarks.child import run_child
 from benchmarks.models import MODEL_NAMES, ModelUnavailable, describe, model_dir
 from benchmarks.peers import llamacpp, record
 from benchmarks.peers.doc import update_doc
+from benchmarks.peers.gguf_quant import parse_quants, quant_label, quantized_gguf
 from benchmarks.peers.http_load import run_load
 from benchmarks.peers.plots import write_plots
 from benchmarks.peers.report import (
@@ -122,6 +128,12 @@ def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecor
         sys.exit(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     if args.llama_q8 and "llama.cpp" in engines:
         engines.insert(engines.index("llama.cpp") + 1, LLAMA_Q8)
+    try:
+        quants = parse_quants(args.quant or "")
+    except ValueError as exc:
+        sys.exit(str(exc))
+    # the quantized runs: the engines that read GGUF files
+    quant_engines = [e for e in engines if e in ("asyncengine", "llama.cpp")]
     pythons = _pythons(args.python)
     kind, cpu = record.this_cpu()
     date = record.today()  # the day the run starts
@@ -134,30 +146,22 @@ def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecor
         except ModelUnavailable as exc:
             print(f"skipping model {name}: {exc}", file=sys.stderr)
             continue
-        label = f"{name}: {describe(name)}"
-        rounds: dict[str, list[PeerResult]] = {}
-        for number in range(args.rounds):
-            if len(per_round) <= number:
-                per_round.append([])
-            runs_of: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-            for engine, mode, batch in round_plan(engines, modes, number):
-                what = mode if batch is None else f"{mode} {batch}"
-                print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {what} ...",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                result = _run_mode(engine, mode, name, folder, pythons, args, batch)
-                if "error" in result:
-                    failures.append(f"{engine} {mode} on {name}: {result['error']}")
-                    print(f"  FAILED: {result['error']}", file=sys.stderr)
-                    continue
-                runs_of[engine].append(result)
-            for engine in round_order(engines, number):
-                runs = runs_of[engine]
-                if runs:
-                    merged = merge_runs(engine, label, runs)
-                    rounds.setdefault(engine, []).append(merged)
-                    per_round[number].append(merged)
-                    print(f"  {_round_summary(merged)}", file=sys.stderr, flush=True)
-        results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
+        variants: list[tuple[str, list[str], Path | None]] = [
+            (f"{name}: {describe(name)}", engines, None)
+        ]
+        for quant in quants:
+            try:
+                gguf = quantized_gguf(llamacpp.ensure_built(), folder, BENCH / "gguf" / name, quant)
+            except Exception as exc:  # a failed build or conversion: report it, go on
+                failures.append(f"{quant} GGUF of {name}: {type(exc).__name__}: {exc}")
+                continue
+            label = f"{name}: {describe(name)}, {quant_label(quant)}"
+            variants.append((label, quant_engines, gguf))
+        for label, variant_engines, weights in variants:
+            _measure_model(
+                label, name, folder, weights, variant_engines, modes, pythons, args,
+                results, per_round, failures,
+            )  # fmt: skip
     run = record.RunRecord(
         results=results,
         rounds=per_round,
@@ -168,6 +172,46 @@ def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecor
         repeats=args.repeats,
     )
     return run, failures
+
+
+def _measure_model(
+    label: str,
+    name: str,
+    folder: Path,
+    weights: Path | None,
+    engines: list[str],
+    modes: list[str],
+    pythons: dict[str, str],
+    args: argparse.Namespace,
+    results: list[PeerResult],
+    per_round: list[list[PeerResult]],
+    failures: list[str],
+) -> None:
+    """Every round of one model (`weights`: the GGUF file every engine loads in place of the
+    folder; None: the folder), its results added to `results`, `per_round` and `failures`."""
+    rounds: dict[str, list[PeerResult]] = {}
+    for number in range(args.rounds):
+        if len(per_round) <= number:
+            per_round.append([])
+        runs_of: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+        for engine, mode, batch in round_plan(engines, modes, number):
+            what = mode if batch is None else f"{mode} {batch}"
+            print(f"[{label}] round {number + 1}/{args.rounds}: {engine} {what} ...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            result = _run_mode(engine, mode, name, folder, pythons, args, batch, weights)
+            if "error" in result:
+                failures.append(f"{engine} {mode} on {label}: {result['error']}")
+                print(f"  FAILED: {result['error']}", file=sys.stderr)
+                continue
+            runs_of[engine].append(result)
+        for engine in round_order(engines, number):
+            runs = runs_of[engine]
+            if runs:
+                merged = merge_runs(engine, label, runs)
+                rounds.setdefault(engine, []).append(merged)
+                per_round[number].append(merged)
+                print(f"  {_round_summary(merged)}", file=sys.stderr, flush=True)
+    results.extend(merge_rounds(rounds[e]) for e in engines if e in rounds)
 
 
 def _round_summary(result: PeerResult) -> str:
@@ -224,6 +268,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--llama-q8", action="store_true", help="also llama.cpp on Q8_0 weights (information)"
+    )
+    parser.add_argument(
+        "--quant",
+        metavar="Q8_0,Q4_K_M",
+        help="also run asyncengine and llama.cpp on the same quantized GGUF files of each "
+        "model (q8_0, q4_k_m), made by llama.cpp's tools",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp's threads (-t)")  # fmt: skip
@@ -316,15 +366,17 @@ def _run_mode(
     pythons: dict[str, str],
     args: argparse.Namespace,
     batch: int | None = None,
+    weights: Path | None = None,
 ) -> dict[str, Any]:
     """One engine's run of one mode on one model (batched and serve: of one batch size or
-    stream count, or of all): its figures, or {"error": ...}."""
+    stream count, or of all; `weights`: a GGUF file to load in place of the folder): its
+    figures, or {"error": ...}."""
     batches = list(CONCURRENCIES) if batch is None else [batch]
     try:
         if mode == "serve":
-            return _serve(engine, name, folder, pythons, args, batches)
+            return _serve(engine, name, folder, pythons, args, batches, weights)
         if engine.startswith("llama.cpp"):
-            gguf = _gguf(engine, name, folder)
+            gguf = weights or _gguf(engine, name, folder)
             tok_s = llamacpp.batched_bench(
                 llamacpp.ensure_built(), gguf, prompt_len=BATCHED_PROMPT_LEN,
                 gen_len=BATCHED_GEN_LEN, batches=batches, threads=args.threads,
@@ -333,7 +385,7 @@ def _run_mode(
             return {"batched": {str(b): v for b, v in tok_s.items()}}
     except Exception as exc:  # a failed build, conversion or server: report it, go on
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return _run(engine, mode, folder, pythons[engine], args, batches)
+    return _run(engine, mode, folder, pythons[engine], args, batches, weights)
 
 
 def _gguf(engine: str, name: str, folder: Path) -> Path:
@@ -349,25 +401,28 @@ def _serve(
     pythons: dict[str, str],
     args: argparse.Namespace,
     concurrencies: Sequence[int] = CONCURRENCIES,
+    weights: Path | None = None,
 ) -> dict[str, Any]:
     """The engine's HTTP server under the shared load generator at `concurrencies` streams
-    (each wave after its own warm-up requests; see http_load.run_load)."""
+    (each wave after its own warm-up requests; see http_load.run_load); `weights`: the GGUF
+    file it serves in place of the folder."""
     import asyncio
 
     port = free_port()
     if engine.startswith("llama.cpp"):
         command = llamacpp.server_command(
-            llamacpp.ensure_built(), _gguf(engine, name, folder), port,
+            llamacpp.ensure_built(), weights or _gguf(engine, name, folder), port,
             parallel=max(CONCURRENCIES), threads=args.threads,
         )  # fmt: skip
     elif engine.startswith("vllm"):
         command = vllm_command(folder, port, served_model_name=name, python=pythons[engine])
     else:
         command = asyncengine_command(
-            folder, port, served_model_name=name, python=pythons[engine],
+            weights or folder, port, served_model_name=name, python=pythons[engine],
             extra_args=_serving_args(),
         )  # fmt: skip
-    log = BENCH / f"serve-{name}-{engine.replace(' ', '_')}.log"
+    variant = f"-{weights.stem}" if weights is not None else ""
+    log = BENCH / f"serve-{name}{variant}-{engine.replace(' ', '_')}.log"
     base_url = f"http://127.0.0.1:{port}"
     record: dict[str, Any] = {}
     with running_server(command, base_url, env=_env(engine, pythons[engine]), log_path=log) as srv:
@@ -395,6 +450,7 @@ def _run(
     python: str,
     args: argparse.Namespace,
     concurrencies: Sequence[int] = CONCURRENCIES,
+    weights: Path | None = None,
 ) -> dict[str, Any]:
     if not Path(python).exists():
         return {"error": f"no interpreter at {python} (see `nox -s bench_peers`)"}
@@ -413,6 +469,8 @@ def _run(
         "--concurrency",
         ",".join(str(c) for c in concurrencies),
     ]
+    if weights is not None:
+        cmd += ["--weights", str(weights)]
     if engine.startswith("llama.cpp"):
         return {"error": f"llama.cpp has no {mode} run"}
     return run_child(

@@ -5,6 +5,10 @@ async from runner.py, `batched` from the batched-bench shape, `serve` from the
 HTTP load generator). The ratios compare asyncengine with a peer for each target: the better
 of vLLM's settings ("better": higher throughput, lower latency, time and memory), or llama.cpp.
 A target is met only when it holds in every round, not just in the median of the rounds.
+
+A model whose label ends in " GGUF" ("b: SmolLM2-135M-Instruct, Q8_0 GGUF") is a quantized run
+(`--quant`): asyncengine and llama.cpp on the same file, with issue 35's bounds against
+llama.cpp, and asyncengine's speed-up over its own bf16 run of the model (`speedup_rows`).
 """
 
 from __future__ import annotations
@@ -97,9 +101,23 @@ class Target:
     higher_is_better: bool
     bound: float  # the ratio asyncengine / peer must reach (>=) or stay under (<=)
     peer: str = VLLM_PREFIX  # "vllm": the better of vLLM's settings; else an engine's name
+    models: str = "all"  # the models it applies to: "all", "bf16", or "gguf" (is_gguf)
 
     def met(self, ratio: float) -> bool:
         return ratio >= self.bound if self.higher_is_better else ratio <= self.bound
+
+    def applies(self, model: str) -> bool:
+        return self.models == "all" or (self.models == "gguf") == is_gguf(model)
+
+
+def is_gguf(model: str) -> bool:
+    """A quantized run's model label ("b: SmolLM2-135M-Instruct, Q8_0 GGUF")."""
+    return model.endswith(" GGUF")
+
+
+def base_model(model: str) -> str:
+    """The label of the bf16 run a quantized run's label comes from."""
+    return model.rsplit(", ", 1)[0] if is_gguf(model) else model
 
 
 TARGETS: tuple[Target, ...] = (
@@ -117,6 +135,15 @@ TARGETS: tuple[Target, ...] = (
         False,
         0.8,
         LLAMACPP,
+        "bf16",
+    ),
+    Target(
+        "HTTP one-stream inter-token p50",
+        lambda r: r.serve_latency_ms(1, "itl_ms"),
+        False,
+        0.9,
+        LLAMACPP,
+        "gguf",
     ),
     Target("HTTP throughput at 64 streams", lambda r: r.serve_tok_s(64), True, 1.5, LLAMACPP),
     Target(
@@ -126,7 +153,12 @@ TARGETS: tuple[Target, ...] = (
         1.0,
         LLAMACPP,
     ),
-    Target("batched offline, 1 sequence", lambda r: r.batched_tok_s(1), True, 1.2, LLAMACPP),
+    Target(
+        "batched offline, 1 sequence", lambda r: r.batched_tok_s(1), True, 1.2, LLAMACPP, "bf16"
+    ),
+    Target(
+        "batched offline, 1 sequence", lambda r: r.batched_tok_s(1), True, 1.1, LLAMACPP, "gguf"
+    ),
     Target("batched offline, 64 sequences", lambda r: r.batched_tok_s(64), True, 1.5, LLAMACPP),
 )
 
@@ -166,7 +198,7 @@ def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
     models = models_of([r for results in rounds for r in results])
     for model in models:
         for t in TARGETS:
-            per_round = target_rounds(rounds, model, t)
+            per_round = target_rounds(rounds, model, t) if t.applies(model) else []
             if not per_round:
                 continue
             ratios = [ratio for _, _, ratio in per_round]
@@ -187,6 +219,58 @@ def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
                     verdict,
                 ]
             )
+    return rows + speedup_rows(rounds)
+
+
+# asyncengine's one-stream speed-up on a quantized file over its own bf16 run of the model
+# (issue 35): bf16's inter-token time over the file's, at least this much.
+SPEEDUP_BOUNDS = {"Q8_0": 1.7, "Q4_K_M": 2.5}
+
+
+def _one_stream_itl(r: PeerResult) -> float | None:
+    return r.latency_ms(1, "itl_ms")
+
+
+def speedup_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
+    """Per quantized model: asyncengine's one-stream inter-token p50 (in-process) on the file
+    against its bf16 run of the same model, as ratio_rows' rows (the ratio bf16 / quantized,
+    which must reach SPEEDUP_BOUNDS)."""
+    rows = []
+    for model in models_of([r for results in rounds for r in results]):
+        quant = model.rsplit(" ", 2)[-2] if is_gguf(model) else None
+        if quant not in SPEEDUP_BOUNDS:
+            continue
+        per_round = []
+        for results in rounds:
+            figures = {
+                r.model: _one_stream_itl(r)
+                for r in results
+                if r.engine == OURS and r.model in (model, base_model(model))
+            }
+            mine, bf16 = figures.get(model), figures.get(base_model(model))
+            if mine and bf16:
+                per_round.append((mine, bf16, bf16 / mine))
+        if not per_round:
+            continue
+        bound = SPEEDUP_BOUNDS[quant]
+        ratios = [ratio for _, _, ratio in per_round]
+        met = sum(ratio >= bound for ratio in ratios)
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        verdict = "met" if met == len(ratios) else "**not met**"
+        if len(ratios) > 1:
+            verdict += f" (in {met}/{len(ratios)} rounds)"
+        rows.append(
+            [
+                model,
+                "one-stream inter-token p50, speed-up over bf16",
+                _num(median([m for m, _, _ in per_round]), 1),
+                "asyncengine bf16",
+                _num(median([b for _, b, _ in per_round]), 1),
+                f"{median(ratios):.2f}x{spread}",
+                f">= {bound}x",
+                verdict,
+            ]
+        )
     return rows
 
 

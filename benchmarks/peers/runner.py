@@ -108,13 +108,23 @@ def _import_torch() -> None:
     import torch  # noqa: F401
 
 
+# A GGUF file asyncengine's runs load in place of the model folder (--weights); the folder
+# still gives the workload its vocabulary.
+_WEIGHTS: Path | None = None
+
+
+def _model(folder: Path) -> str:
+    """What asyncengine loads: the --weights file, else the folder."""
+    return str(_WEIGHTS or folder)
+
+
 def _asyncengine_offline(folder: Path, wl: Workload, repeats: int) -> dict[str, Any]:
     from asyncengine import LLM, SamplingParams
 
     _import_torch()
 
     start = time.perf_counter()
-    llm = LLM(str(folder), dtype=wl.dtype)
+    llm = LLM(_model(folder), dtype=wl.dtype)
     ready = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=wl.output_len, ignore_eos=True)
     llm.generate(_warmup(folder), params, use_tqdm=False)
@@ -152,7 +162,7 @@ def _asyncengine_batched(folder: Path, batches: list[int], repeats: int) -> dict
     from asyncengine import LLM, SamplingParams
 
     _import_torch()
-    llm = LLM(str(folder), dtype="bfloat16")
+    llm = LLM(_model(folder), dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=BATCHED_GEN_LEN, ignore_eos=True)
     llm.generate(_warmup(folder), params, use_tqdm=False)
     tok_s: dict[str, float] = {}
@@ -192,7 +202,7 @@ def _asyncengine_async(folder: Path, wl: Workload, concurrencies: list[int]) -> 
     async def main() -> None:
         start = time.perf_counter()
         async with AsyncLLM.from_pretrained(
-            str(folder), dtype=wl.dtype, **ASYNCENGINE_SERVING
+            _model(folder), dtype=wl.dtype, **ASYNCENGINE_SERVING
         ) as engine:
             results["ready_s"] = time.perf_counter() - start
 
@@ -429,12 +439,23 @@ def main() -> int:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument(
+        "--weights",
+        help="a GGUF file asyncengine loads in place of --model-dir (whose "
+        "config and tokenizer still shape the workload)",
+    )
     args = parser.parse_args()
     runner = RUNNERS.get((args.engine, args.mode))
     if runner is None:
         print(f"{args.engine} has no {args.mode} mode", file=sys.stderr)
         return 2
     folder = Path(args.model_dir)
+    if args.weights:
+        if args.engine != "asyncengine":
+            print(f"--weights: {args.engine} runs folders only", file=sys.stderr)
+            return 2
+        global _WEIGHTS
+        _WEIGHTS = Path(args.weights)
     wl = workload_for_model(folder)
     sampler = _RssSampler()
     if args.mode == "batched":

@@ -244,3 +244,51 @@ def test_a_round_runs_each_mode_of_every_engine_back_to_back_in_alternating_orde
         ("transformers", "offline", None),
         ("vllm-1t", "async", None), ("asyncengine", "async", None),
     ]  # fmt: skip
+
+
+def _relabel(results: list[PeerResult], model: str) -> list[PeerResult]:
+    return [PeerResult(r.engine, model, r.data) for r in results]
+
+
+def test_a_gguf_run_has_issue_35s_bounds_against_llama_cpp() -> None:
+    """The same figures pass the GGUF bounds (ITL <= 0.9x, 1 sequence >= 1.1x) and fail the
+    bf16 ones (0.8x, 1.2x)."""
+    bf16 = _relabel(_llama_round(5.1, 1200), "b: SmolLM2")
+    gguf = _relabel(_llama_round(5.1, 1200), "b: SmolLM2, Q8_0 GGUF")
+    for results in (bf16, gguf):
+        results[1].data["batched"]["1"] = 120.0  # ours 140: 1.17x
+    rows = {(row[0], row[1]): row for row in ratio_rows([[*bf16, *gguf]])}
+    assert rows[("b: SmolLM2", "HTTP one-stream inter-token p50")][6] == "<= 0.8x"
+    assert rows[("b: SmolLM2", "HTTP one-stream inter-token p50")][7] == "**not met**"
+    assert rows[("b: SmolLM2, Q8_0 GGUF", "HTTP one-stream inter-token p50")][6] == "<= 0.9x"
+    assert rows[("b: SmolLM2, Q8_0 GGUF", "HTTP one-stream inter-token p50")][7] == "met"
+    assert rows[("b: SmolLM2", "batched offline, 1 sequence")][7] == "**not met**"
+    assert rows[("b: SmolLM2, Q8_0 GGUF", "batched offline, 1 sequence")][7] == "met"
+    names = [row[1] for row in ratio_rows([gguf])]
+    assert len(names) == len(set(names))  # one row per figure, with the GGUF bound
+
+
+def test_quantized_runs_are_measured_against_our_own_bf16_run() -> None:
+    def ours(model: str, itl: float) -> PeerResult:
+        return PeerResult("asyncengine", model, {"1": _stream(100, 10, itl)})
+
+    rounds = [
+        [ours("e: 1B", 30.0), ours("e: 1B, Q8_0 GGUF", 16.0), ours("e: 1B, Q4_K_M GGUF", 13.0)],
+        [ours("e: 1B", 32.0), ours("e: 1B, Q8_0 GGUF", 20.0), ours("e: 1B, Q4_K_M GGUF", 11.0)],
+    ]
+    rows = {row[0]: row for row in ratio_rows(rounds) if "speed-up" in row[1]}
+    q8, q4 = rows["e: 1B, Q8_0 GGUF"], rows["e: 1B, Q4_K_M GGUF"]
+    assert q8[3] == "asyncengine bf16" and q8[6] == ">= 1.7x"
+    assert q8[7] == "**not met** (in 1/2 rounds)"  # 30 / 16 = 1.88, 32 / 20 = 1.6
+    assert q4[6] == ">= 2.5x" and q4[7] == "**not met** (in 1/2 rounds)"  # 2.31, 2.91
+    assert "e: 1B" not in rows
+
+
+def test_quant_names_are_checked() -> None:
+    from benchmarks.peers.gguf_quant import parse_quants, quant_label
+
+    assert parse_quants("Q8_0, q4_k_m") == ["q8_0", "q4_k_m"]
+    assert parse_quants("") == []
+    assert quant_label("q4_k_m") == "Q4_K_M GGUF"
+    with pytest.raises(ValueError, match="--quant q3_k: choose from q8_0, q4_k_m"):
+        parse_quants("q8_0,q3_k")
