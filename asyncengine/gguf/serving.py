@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncengine.gguf.errors import GGUFError
+from asyncengine.gguf.ggml_types import GGMLType
 from asyncengine.gguf.model import GGUFModel, read_gguf
 from asyncengine.gguf.tokenizer import is_complete, tokenizer_dir, tokenizer_target
 from asyncengine.paths import cache_dir
@@ -54,14 +55,24 @@ def find_gguf(path: Path) -> Path | None:
 
 
 def check_runnable(model: GGUFModel) -> None:
-    """Raise `GGUFError` naming a feature of the file the lean forward does not apply yet
-    (a tensor of a type it does not run is refused when the file is read)."""
-    if "rope_freqs.weight" in model.extra_tensors:
-        raise GGUFError(
-            model.path,
-            "the file scales its rotary frequencies with a rope_freqs tensor (Llama 3.1-style "
-            "rope scaling), which asyncengine does not apply to GGUF files yet",
-        )
+    """Raise `GGUFError` naming what in the file the lean forward cannot apply: a
+    `rope_freqs` tensor (Llama 3.1-style rope scaling) of another type than F32 / F16 or size
+    than one value per rotary frequency. (A tensor of a type the engine does not run is
+    refused when the file is read.)"""
+    freqs = model.extra_tensors.get("rope_freqs.weight")
+    if freqs is not None:  # Llama 3.1-style rope scaling: a divisor per rotary frequency
+        hf = model.hf_config
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+        count = 1
+        for dim in freqs.shape:
+            count *= dim
+        if freqs.ggml_type not in (GGMLType.F32, GGMLType.F16) or count != head_dim // 2:
+            raise GGUFError(
+                model.path,
+                f"rope_freqs.weight is {freqs.ggml_type.name} of shape {list(freqs.shape)}: "
+                f"expected {head_dim // 2} F32 or F16 values (one per rotary frequency of the "
+                f"{head_dim}-wide heads)",
+            )
 
 
 def resolve_gguf(path: Path) -> Path:

@@ -77,7 +77,7 @@ def load_gguf_forward(model_config: ModelConfig) -> CpuForward:
     forward = CpuForward(
         embed_weight=embed_weight,
         embed_rows=embed_rows,
-        rotary=RotaryEmbedding(rope),
+        rotary=RotaryEmbedding(rope, _rope_freqs(model, rope.head_dim)),
         final_norm=loader.values(model.tensors["model.norm.weight"]),
         final_eps=eps,
         lm_head=loader.linear(head, None),
@@ -87,6 +87,15 @@ def load_gguf_forward(model_config: ModelConfig) -> CpuForward:
     # The quantized weights view the mapping and keep it; the header's objects can go.
     release_free_heap()
     return forward
+
+
+def _rope_freqs(model: GGUFModel, head_dim: int) -> torch.Tensor | None:
+    """The file's `rope_freqs` tensor (Llama 3.1-style scaling as llama.cpp's converter stores
+    it: a divisor per rotary frequency), float32 [head_dim / 2]; None without one."""
+    tensor = model.extra_tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    return torch.from_numpy(np.array(tensor.view(), dtype=np.float32)).reshape(head_dim // 2)
 
 
 class _Loader:

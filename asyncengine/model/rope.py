@@ -96,11 +96,15 @@ class RotaryEmbedding:
     """`(x, position_ids [B, T]) -> (cos, sin)`, each [B, T, head_dim] in x's dtype.
 
     The same call and the same numbers as transformers' `LlamaRotaryEmbedding` (the three
-    rope types here all have an attention scaling of 1).
+    rope types here all have an attention scaling of 1). `freq_factors` [head_dim / 2] divide
+    the inverse frequencies, as llama.cpp applies a GGUF file's `rope_freqs` tensor (how its
+    converter stores Llama 3.1-style scaling).
     """
 
-    def __init__(self, spec: RopeSpec) -> None:
+    def __init__(self, spec: RopeSpec, freq_factors: torch.Tensor | None = None) -> None:
         self.inv_freq = spec.inv_freq()
+        if freq_factors is not None:
+            self.inv_freq = self.inv_freq / freq_factors.float()
         self.attention_scaling = 1.0
 
     def __call__(

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from asyncengine import LLM, AsyncLLM, SamplingParams
-from asyncengine.gguf import read_gguf
+from asyncengine.gguf import GGUFError, read_gguf
 from asyncengine.gguf.serving import served_model_name, tokenizer_folder
 from asyncengine.paths import cache_dir
 from asyncengine.testing.reference import greedy_generate
@@ -57,9 +57,16 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["ASYNCENGINE_CACHE"] = old
 
 
-def _reference(path: Path, tiny: Any, prompts: list[list[int]], quantized: bool) -> list[list[int]]:
+def _reference(
+    path: Path,
+    tiny: Any,
+    prompts: list[list[int]],
+    quantized: bool,
+    freq_factors: np.ndarray | None = None,
+) -> list[list[int]]:
     """transformers' greedy tokens over the file's weights dequantized to fp32; with
-    `quantized`, every linear layer's input rows rounded as the int8 kernels round them."""
+    `quantized`, every linear layer's input rows rounded as the int8 kernels round them;
+    with `freq_factors`, the rotary inverse frequencies divided by them."""
     import transformers
 
     from asyncengine.kernels.quant_cpu import dequantize_rows_q8, quantize_rows_q8_torch
@@ -74,6 +81,9 @@ def _reference(path: Path, tiny: Any, prompts: list[list[int]], quantized: bool)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
+    if freq_factors is not None:
+        rotary = model.model.rotary_emb
+        rotary.inv_freq = rotary.inv_freq / torch.from_numpy(freq_factors)
     if quantized:
 
         def round_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
@@ -254,3 +264,29 @@ def test_structured_outputs_read_the_gguf_tokenizer(tmp_path: Path) -> None:
     (out,) = llm.generate(["Hello"], params, use_tqdm=False)
     assert out.outputs[0].text in ("Hello world", "lol")
     _assert_free(llm)
+
+
+def test_rope_freqs_divide_the_rotary_frequencies(tmp_path: Path) -> None:
+    """Llama 3.1-style rope scaling as llama.cpp's converter stores it: a rope_freqs tensor of
+    divisors, applied as llama.cpp applies it (the reference: transformers with its inverse
+    frequencies divided by the same values)."""
+    head_dim = 16
+    factors = np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32)
+    tiny = write_tiny_gguf(
+        tmp_path / "l31.gguf", "llama", weight_type=Q.Q8_0, seed=4,
+        extra_tensors={"rope_freqs.weight": (factors, Q.F32)},
+    )  # fmt: skip
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", "llama", weight_type=Q.Q8_0, seed=4)
+    want = _reference(tiny.path, tiny, PROMPTS, quantized=True, freq_factors=factors)
+    got = _greedy(tiny.path)
+    assert got == want
+    assert got != _greedy(plain.path)  # the factors change the tokens here
+
+
+def test_a_rope_freqs_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
+    factors = np.ones(5, dtype=np.float32)
+    path = write_tiny_gguf(
+        tmp_path / "bad.gguf", "llama", extra_tensors={"rope_freqs.weight": (factors, Q.F32)}
+    ).path
+    with pytest.raises(GGUFError, match=r"rope_freqs.weight is F32 of shape \[5\]: expected 8"):
+        LLM(path, device="cpu")
