@@ -61,6 +61,9 @@ class RequestOutput:
     # first token has nothing before it); each holds the prompt's token and the top N. In
     # DELTA mode only the first output carries them.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # An embedding request's pooled final hidden state (fp32, before `embed()` truncates and
+    # normalizes it); None for a generation request.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True, frozen=True)

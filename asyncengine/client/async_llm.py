@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -28,13 +28,24 @@ from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
 from asyncengine.client.cores.client import UNRESPONSIVE_AFTER_S, EngineCoreClient, RankDied
 from asyncengine.client.cores.proc_client import ProcCoreClient
 from asyncengine.client.cores.thread_client import ThreadCoreClient
+from asyncengine.client.embedding import (
+    EMBED_PARAMS,
+    check_embed_options,
+    embedding_inputs,
+    finish_vector,
+)
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.llm_engine import rpc_arguments
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
+from asyncengine.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineGenerateError,
+    EngineOverloadedError,
+)
 from asyncengine.ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -277,6 +288,46 @@ class AsyncLLM:
             async for output in outputs:
                 yield output
 
+    async def embed(
+        self,
+        inputs: Prompt | Sequence[Prompt],
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[list[float]]:
+        """One embedding per input (a string, a list of token ids, or a list of those): the
+        model's final hidden states over the input, pooled ("last": the last token's, for
+        decoder embedding models such as Qwen3-Embedding; "mean": over every token; "cls":
+        the first token's), cut to the first `dimensions` values (Matryoshka), then
+        L2-normalized unless `normalize=False`. fp32 values, in input order.
+
+        The inputs are prefilled beside generation requests in the same steps, never decoded.
+        ValueError for a bad input or option (before anything runs); otherwise the errors of
+        `generate()`. Cancelling the call aborts every input's request.
+        """
+        prompts = embedding_inputs(inputs)
+        check_embed_options(pooling, normalize, dimensions, self._config.model_config.hidden_size)
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams.append(self._add_request(prompt, EMBED_PARAMS, None, 0, pooling=pooling))
+            vectors = []
+            for stream in streams:  # they run together in the core: wait for each in turn
+                output = await stream.get()
+                while not output.finished:
+                    output = await stream.get()
+                if output.embedding is None:
+                    raise EngineGenerateError(
+                        f"embedding request {stream.request_id} finished without an embedding"
+                    )
+                vectors.append(finish_vector(output.embedding, dimensions, normalize))
+            return vectors
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    self._abort_nowait(stream.request_id)
+
     def _add_request(
         self,
         prompt: Prompt | ChatPrompt,
@@ -284,6 +335,7 @@ class AsyncLLM:
         request_id: str | None,
         priority: int,
         data_parallel_rank: int | None = None,
+        pooling: str | None = None,
     ) -> RequestStream:
         self._check_running()
         self._check_rank(data_parallel_rank)
@@ -300,7 +352,9 @@ class AsyncLLM:
                 f"({frontend.describe_queue_bound()}): retry later"
             )
         # Every check happens here (the core would refuse too, but asynchronously).
-        request = ip.process(prompt, params, request_id=request_id, priority=priority)
+        request = ip.process(
+            prompt, params, request_id=request_id, priority=priority, pooling=pooling
+        )
         op.add_request(request)
         stream = RequestStream(request.request_id, request.params.output_kind)
         self._state.streams[request.request_id] = stream

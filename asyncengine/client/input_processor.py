@@ -96,8 +96,10 @@ class InputProcessor:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> ProcessedRequest:
-        """Validate and tokenise; ValueError naming what is wrong."""
+        """Validate and tokenise; ValueError naming what is wrong. `pooling`: an embedding
+        request (EngineCoreRequest.pooling)."""
         if params is None:
             params = self.default_params()
         elif not isinstance(params, SamplingParams):
@@ -126,6 +128,7 @@ class InputProcessor:
                 sampling_params=_child_params(params, i),
                 arrival_time=arrival,
                 priority=priority,
+                pooling=pooling,
             )
             for i, core_id in enumerate(sequence_ids(request_id, params.n))
         ]

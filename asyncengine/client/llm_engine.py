@@ -49,12 +49,14 @@ class LLMEngine:
         prompt: Prompt | ChatPrompt,
         params: SamplingParams | None = None,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. ValueError for a bad request."""
+        """Validate and queue a request; returns its id. ValueError for a bad request.
+        `pooling`: an embedding request (its final output carries `embedding`)."""
         if request_id is not None and request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.input_processor.process(
-            prompt, params, request_id=request_id, priority=priority
+            prompt, params, request_id=request_id, priority=priority, pooling=pooling
         )
         added: list[str] = []
         try:

@@ -55,6 +55,7 @@ class RequestState:
     # SamplingParams.prompt_logprobs: filled by position as the prefill chunks report them.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
+    embedding: list[float] | None = None  # an embedding request's pooled vector, at its end
 
     @property
     def finished(self) -> bool:
@@ -214,6 +215,8 @@ class OutputProcessor:
         metrics.last_token_time = now
         metrics.num_generation_tokens += len(out.new_token_ids)
         seq.token_ids.extend(out.new_token_ids)
+        if out.pooled is not None:
+            state.embedding = out.pooled
         if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
             first, entries = out.new_prompt_logprobs
             for offset, entry in enumerate(entries):
@@ -267,6 +270,7 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
+            embedding=state.embedding,
         )
 
     @staticmethod

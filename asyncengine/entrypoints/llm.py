@@ -8,6 +8,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncengine.client.chat import ChatPrompt, Conversation, render_chat
+from asyncengine.client.embedding import (
+    EMBED_PARAMS,
+    check_embed_options,
+    embedding_inputs,
+    finish_vector,
+)
 from asyncengine.client.input_processor import Prompt
 from asyncengine.client.llm_engine import LLMEngine, rpc_arguments
 from asyncengine.client.tokenizer import Tokenizer
@@ -89,6 +95,38 @@ class LLM:
             for c in conversations
         ]
         return self._generate(prompts, params, use_tqdm)
+
+    def embed(
+        self,
+        inputs: Prompt | Sequence[Prompt],
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
+        """`AsyncLLM.embed()` offline: one fp32 vector per input, in input order."""
+        prompts = embedding_inputs(inputs)
+        check_embed_options(pooling, normalize, dimensions, self.config.model_config.hidden_size)
+        for prompt in prompts:  # validate everything first: nothing half queued
+            self.engine.input_processor.tokenize(prompt)
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                request_id = f"llm-{next(self._counter)}"
+                ids.append(
+                    self.engine.add_request(request_id, prompt, EMBED_PARAMS, pooling=pooling)
+                )
+            outputs = self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        vectors = []
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"embedding request {out.request_id} finished without one")
+            vectors.append(finish_vector(out.embedding, dimensions, normalize))
+        return vectors
 
     def _generate(
         self,

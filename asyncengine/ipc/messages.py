@@ -25,6 +25,10 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+# EngineCoreRequest.pooling: None (generate), or how an embedding request pools.
+POOLING_TYPES: tuple[str | None, ...] = (None, "last", "mean", "cls")
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A validated, tokenised request, as the core receives it."""
 
@@ -36,6 +40,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Which of the core's clients sent it (API server processes share the cores): its
     # outputs go back to that client's output socket.
     client_index: int = 0
+    # An embedding request (AsyncLLM.embed): how to pool the prompt's final hidden states
+    # ("last", "mean" or "cls"). It is prefilled, never decoded, and finishes with `pooled`.
+    pooling: str | None = None
 
 
 # One sampled position's logprobs: token ids (sampled first, then the top-N), their logprobs,
@@ -57,6 +64,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None  # this request failed in the core (it is finished, with ABORT)
     bad_request: bool = False  # the error is the request's own (the client raises ValueError)
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state (fp32)
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     sampling_params: CoreSamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in the cache
+    pooling: str | None = None  # an embedding request's pooling (EngineCoreRequest.pooling)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -73,6 +74,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # Per request in batch order: the prompt logprobs this step computed, as
     # (prompt position of the first entry, entries); None where none.
     prompt_logprobs: list[tuple[int, list[LogprobsEntry]] | None] | None = None
+    # Per request in batch order: an embedding request's pooled hidden state, in the step
+    # that computed its prompt's last token; None elsewhere.
+    pooled: list[list[float] | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -141,6 +141,8 @@ class CpuForward:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose logits are wanted
         token_choice: TokenChoice | None = None,
+        hidden_indices: torch.Tensor | None = None,  # [H] rows whose hidden states are wanted
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         """The logits of the rows `logits_indices` names; with `token_choice`, possibly their
         tokens instead (see model/interface.py): through the int8 screen of the lm_head, for
@@ -161,6 +163,13 @@ class CpuForward:
         if mlp_out is None:
             down, x = self._layers_loop(residual, cos, sin, attn)
             mlp_out = x if down is None else down(x)
+        if hidden_indices is not None and hidden_out is not None:  # embedding requests' rows
+            hidden_out.append(
+                rms_norm_cpu(
+                    mlp_out.index_select(0, hidden_indices), self._final_norm, self._final_eps,
+                    residual.index_select(0, hidden_indices),
+                )
+            )  # fmt: skip
         # The last residual add and the final norm, on the sampled rows only.
         rows_out = mlp_out.index_select(0, logits_indices)
         rows_res = residual.index_select(0, logits_indices)

@@ -44,6 +44,10 @@ class ModelForward(Protocol):
     rows' tokens instead of their logits: [S] int64, exactly the tokens the sampler would
     pick from the logits it would have returned (CpuForward does, through an int8 screen of
     its lm_head).
+
+    With `hidden_indices` (packed rows; embedding requests), the model also appends to
+    `hidden_out` those rows' final hidden states, [H, hidden] after the final norm (what
+    transformers' `AutoModel` returns as `last_hidden_state`), in the model's dtype.
     """
 
     @property
@@ -59,5 +63,7 @@ class ModelForward(Protocol):
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
         token_choice: TokenChoice | None = None,
+        hidden_indices: torch.Tensor | None = None,  # [H]
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         ...

@@ -48,16 +48,24 @@ class TransformersModel:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]
         token_choice: TokenChoice | None = None,  # always logits here
+        hidden_indices: torch.Tensor | None = None,  # [H]
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [S, V]
         # transformers takes a batch: ours is one packed sequence, [1, T].
+        wants_hidden = hidden_indices is not None and hidden_out is not None
         out = self.module(
             input_ids=input_ids[None],
             attention_mask=self._ready_mask,
             position_ids=positions[None],
             logits_to_keep=logits_indices,
             use_cache=False,
+            output_hidden_states=wants_hidden,
             asyncengine_attn=attn,
         )
+        if wants_hidden:
+            assert hidden_indices is not None and hidden_out is not None
+            # the last entry is the final norm's output (AutoModel's last_hidden_state)
+            hidden_out.append(out.hidden_states[-1][0].index_select(0, hidden_indices))
         return out.logits[0]  # type: ignore[no-any-return]
 
 

@@ -37,6 +37,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # filled by the KV cache manager
     max_tokens: int = 0  # output budget, resolved against max_model_len
     grammar: RequestGrammar | None = None  # structured outputs: its matcher follows the outputs
+    pooling: str | None = None  # an embedding request: prefilled, pooled, never decoded
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
@@ -48,6 +49,7 @@ class Request:
             priority=req.priority,
             all_token_ids=list(req.prompt_token_ids),
             max_tokens=max_tokens,
+            pooling=req.pooling,
         )
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.ipc.messages import (
+    POOLING_TYPES,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -79,6 +80,9 @@ class Scheduler:
         if self.vocab_size is not None:
             # Cheap, and a bad id would fail the whole step: one bad frame must not kill all.
             check_token_ids(core_request.prompt_token_ids, self.vocab_size)
+        if core_request.pooling not in POOLING_TYPES:
+            kinds = ", ".join(str(k) for k in POOLING_TYPES[1:])
+            raise ValueError(f"pooling={core_request.pooling!r} is invalid: one of {kinds}")
         max_tokens = self.limits.check(request_id, len(core_request.prompt_token_ids), params)
         request = Request.from_core_request(core_request, max_tokens)
         if params.structured_outputs is not None:
@@ -247,9 +251,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.sampling_params.prompt_logprobs is None:
+            if request.sampling_params.prompt_logprobs is None and request.pooling is None:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            else:  # every prompt position's logits are wanted: nothing is taken from the cache
+            else:  # every prompt position's logits (or hidden states) are wanted: nothing is
+                # taken from the cache
                 computed_blocks, num_cached = [], 0
             num_new = min(request.num_tokens - num_cached, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
@@ -269,6 +274,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_cached,
+                    pooling=request.pooling,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -307,10 +313,24 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        pooled = runner_output.pooled
         for idx, (req_id, token_ids) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = self.requests.get(req_id)
+            vector = pooled[idx] if pooled is not None else None
+            if request is not None and vector is not None:
+                # An embedding request's prompt is computed: it ends here, nothing decoded.
+                request.finish_reason = FinishReason.STOP
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id, new_token_ids=[], pooled=vector,
+                        finish_reason=FinishReason.STOP, num_cached_tokens=0,
+                    )
+                )  # fmt: skip
+                self.running.remove(request)
+                self._free_request(request)
+                continue
             prompt_entries = prompt_logprobs[idx] if prompt_logprobs is not None else None
             if request is not None and not token_ids and prompt_entries is not None:
                 # A prefill chunk that samples nothing, but computed prompt logprobs.

@@ -50,6 +50,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingRequestState
+    pooling: str | None = None  # an embedding request: how its hidden states are pooled
+    pool_acc: torch.Tensor | None = None  # "mean": the rows' fp32 sum so far; "cls": row 0
 
 
 @dataclass(slots=True)
@@ -62,6 +64,11 @@ class _BatchInputs:
     # Requests whose prompt logprobs this step computes, with logits rows S.. in order:
     # (batch row, the prompt position of its first target token, its target token ids, top-N).
     prompt_rows: list[tuple[int, int, list[int], int]]
+    # Embedding requests' packed rows whose hidden states the step wants, in order, and per
+    # request (batch row, its first entry in hidden_indices, how many, whether its prompt
+    # ends in this step).
+    hidden_indices: list[int]
+    pool_rows: list[tuple[int, int, int, bool]]
 
 
 class ModelRunner:
@@ -255,9 +262,16 @@ class ModelRunner:
         choice = None
         if metadata is not None and grammar_bitmask is None and not batch.prompt_rows:
             choice = self._token_choice(scheduler_output, metadata)
+        hidden: list[torch.Tensor] = []
+        hidden_indices = None
+        if batch.hidden_indices and self.is_driver:
+            hidden_indices = _to_device(
+                np.asarray(batch.hidden_indices, dtype=np.int64), self.device
+            )
         out = self.model(  # [S + P, V] logits, or [S] tokens
-            batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice
-        )
+            batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice,
+            hidden_indices=hidden_indices, hidden_out=hidden,
+        )  # fmt: skip
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
         num_sampled = len(batch.sample_req_ids)
@@ -266,7 +280,37 @@ class ModelRunner:
             output.prompt_logprobs = self._prompt_logprobs(
                 len(output.req_ids), batch.prompt_rows, out[num_sampled:]
             )
+        if batch.pool_rows and hidden:
+            output.pooled = self._pool(output.req_ids, batch.pool_rows, hidden[0])
         return output
+
+    def _pool(
+        self,
+        req_ids: list[str],
+        pool_rows: list[tuple[int, int, int, bool]],
+        hidden: torch.Tensor,  # [H, hidden]: the rows _prepare_inputs listed, in order
+    ) -> list[list[float] | None] | None:
+        """Fold this step's rows into each embedding request's pooling; the pooled vector
+        (fp32) of each whose prompt ended in this step, by batch row."""
+        hidden = hidden.float()
+        pooled: list[list[float] | None] = [None] * len(req_ids)
+        for row, first, count, final in pool_rows:
+            state = self.requests[req_ids[row]]
+            rows = hidden[first : first + count]
+            if state.pooling == "mean":
+                total = rows.sum(dim=0)
+                state.pool_acc = total if state.pool_acc is None else state.pool_acc + total
+            elif state.pooling == "cls" and count:
+                state.pool_acc = rows[0].clone()
+            elif count:  # "last": only the final chunk lists a row
+                state.pool_acc = rows[-1].clone()
+            if final:
+                assert state.pool_acc is not None
+                vector = state.pool_acc
+                if state.pooling == "mean":
+                    vector = vector / len(state.sampling.prompt_token_ids)
+                pooled[row] = vector.cpu().tolist()
+        return pooled if any(v is not None for v in pooled) else None
 
     def _prompt_logprobs(
         self,
@@ -380,6 +424,7 @@ class ModelRunner:
                     output_token_ids=tokens[new.num_prompt_tokens :],
                     eos_token_ids=self.model_config.eos_token_ids,
                 ),
+                pooling=new.pooling,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -397,6 +442,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int, list[int], int]] = []
         prompt_indices: list[int] = []
+        hidden_indices: list[int] = []
+        pool_rows: list[tuple[int, int, int, bool]] = []
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)  # [B, max_blocks]
         for i, (state, n) in enumerate(zip(states, counts, strict=True)):
@@ -405,6 +452,13 @@ class ModelRunner:
             positions.append(np.arange(start, start + n, dtype=np.int64))
             seq_lens.append(start + n)
             block_table[i, : len(state.block_ids)] = state.block_ids
+            if state.pooling is not None:  # an embedding request: pooled, never sampled
+                rows = _pooled_rows(state.pooling, len(token_ids) - n, start, n, state.token_ids)
+                pool_rows.append(
+                    (i, len(hidden_indices), len(rows), start + n == len(state.token_ids))
+                )
+                hidden_indices.extend(rows)
+                continue
             if start + n == len(state.token_ids):
                 sample_rows.append(i)
             top_n = state.sampling.params.prompt_logprobs
@@ -428,6 +482,8 @@ class ModelRunner:
             logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), dev),
             sample_req_ids=[req_ids[i] for i in sample_rows],
             prompt_rows=prompt_rows,
+            hidden_indices=hidden_indices,
+            pool_rows=pool_rows,
         )
 
     def _attention(
@@ -513,6 +569,17 @@ def _logprobs_entries(
         if n is not None:
             entries[req_id] = (ids[row][: n + 1], lps[row][: n + 1], int(ranks[row]))
     return entries
+
+
+def _pooled_rows(pooling: str, first: int, start: int, n: int, token_ids: list[int]) -> list[int]:
+    """The packed rows of an embedding request's chunk (packed from row `first`, prompt
+    positions start..start + n) that its pooling reads: every one ("mean"), position 0's
+    ("cls"), or the prompt's last ("last")."""
+    if pooling == "mean":
+        return list(range(first, first + n))
+    if pooling == "cls":
+        return [first] if start == 0 else []
+    return [first + n - 1] if start + n == len(token_ids) else []
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
