@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["PATH", "InfoExtension"]
@@ -37,6 +38,12 @@ class InfoExtension:
     def unencodable(self) -> object:
         """A result msgspec cannot encode."""
         return object()
+
+    def record(self, folder: str) -> int:
+        """Write an empty file named for this process into `folder` (so that a test sees every
+        worker of every data-parallel rank that ran the call); return the pid."""
+        (Path(folder) / f"pid-{os.getpid()}").touch()
+        return os.getpid()
 
     def fail(self, message: str) -> None:
         """Raise ValueError(message) in the worker."""

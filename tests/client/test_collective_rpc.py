@@ -4,8 +4,10 @@ after every error."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import anyio
 import pytest
 from async_helpers import ENGINE_KW
 
@@ -92,6 +94,24 @@ async def test_tensor_parallel_workers_in_processes_answer_one_each(tiny_llama: 
         # The workers finish the abandoned call; its late answers are dropped.
         await _serves(engine)
         assert await engine.collective_rpc("slow", args=(0.0,)) == [0, 1]
+
+
+async def test_data_parallel_ranks_each_run_the_call(tiny_llama: Path, tmp_path: Path) -> None:
+    """With two data-parallel engine cores, every rank's worker runs the call; the list is
+    the first live rank's (as vLLM)."""
+    kw = dict(KW, data_parallel_size=2, num_kv_blocks=64)
+    async with AsyncLLM.from_pretrained(tiny_llama, core="process", **kw) as engine:
+        [pid] = await engine.collective_rpc("record", args=(str(tmp_path),))
+        names = await anyio.to_thread.run_sync(os.listdir, tmp_path)
+        recorded = sorted(int(name.removeprefix("pid-")) for name in names)
+        assert len(recorded) == 2 and pid in recorded
+        [info] = await engine.collective_rpc("worker_info")
+        assert info["pid"] == pid and info["rank"] == 0
+        with pytest.raises(ValueError, match="'execute_model'"):
+            await engine.collective_rpc("execute_model")
+        with pytest.raises(RuntimeError, match="boom"):
+            await engine.collective_rpc("fail", args=("boom",))
+        await _serves(engine)
 
 
 def test_the_offline_llm_calls_the_extension(tiny_llama: Path) -> None:
