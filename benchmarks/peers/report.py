@@ -201,25 +201,39 @@ def ratio_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
             per_round = target_rounds(rounds, model, t) if t.applies(model) else []
             if not per_round:
                 continue
-            ratios = [ratio for _, _, ratio in per_round]
-            met = sum(t.met(ratio) for ratio in ratios)
-            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-            verdict = "met" if met == len(ratios) else "**not met**"
-            if len(ratios) > 1:
-                verdict += f" (in {met}/{len(ratios)} rounds)"
-            rows.append(
-                [
-                    model,
-                    t.name,
-                    _num(median([m for m, _, _ in per_round])),
-                    "vLLM (better)" if t.peer == VLLM_PREFIX else t.peer,
-                    _num(median([p for _, p, _ in per_round])),
-                    f"{median(ratios):.2f}x{spread}",
-                    f"{'>=' if t.higher_is_better else '<='} {t.bound}x",
-                    verdict,
-                ]
-            )
+            peer = "vLLM (better)" if t.peer == VLLM_PREFIX else t.peer
+            bound = f"{'>=' if t.higher_is_better else '<='} {t.bound}x"
+            rows.append(_ratio_row(model, t.name, peer, per_round, t.met, bound))
     return rows + speedup_rows(rounds)
+
+
+def _ratio_row(
+    model: str,
+    name: str,
+    peer: str,
+    per_round: Sequence[tuple[float, float, float]],
+    met: Callable[[float], bool],
+    bound: str,
+    digits: int = 0,
+) -> list[str]:
+    """A ratio table row from each round's (ours, the peer's, the ratio): the medians, the
+    ratio's range, and the verdict (met only if every round met it)."""
+    ratios = [ratio for _, _, ratio in per_round]
+    count = sum(met(ratio) for ratio in ratios)
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    verdict = "met" if count == len(ratios) else "**not met**"
+    if len(ratios) > 1:
+        verdict += f" (in {count}/{len(ratios)} rounds)"
+    return [
+        model,
+        name,
+        _num(median([m for m, _, _ in per_round]), digits),
+        peer,
+        _num(median([p for _, p, _ in per_round]), digits),
+        f"{median(ratios):.2f}x{spread}",
+        bound,
+        verdict,
+    ]
 
 
 # asyncengine's one-stream speed-up on a quantized file over its own bf16 run of the model
@@ -253,24 +267,12 @@ def speedup_rows(rounds: Sequence[Sequence[PeerResult]]) -> list[list[str]]:
         if not per_round:
             continue
         bound = SPEEDUP_BOUNDS[quant]
-        ratios = [ratio for _, _, ratio in per_round]
-        met = sum(ratio >= bound for ratio in ratios)
-        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-        verdict = "met" if met == len(ratios) else "**not met**"
-        if len(ratios) > 1:
-            verdict += f" (in {met}/{len(ratios)} rounds)"
         rows.append(
-            [
-                model,
-                "one-stream inter-token p50, speed-up over bf16",
-                _num(median([m for m, _, _ in per_round]), 1),
-                "asyncengine bf16",
-                _num(median([b for _, b, _ in per_round]), 1),
-                f"{median(ratios):.2f}x{spread}",
-                f">= {bound}x",
-                verdict,
-            ]
-        )
+            _ratio_row(
+                model, "one-stream inter-token p50, speed-up over bf16", "asyncengine bf16",
+                per_round, lambda ratio, bound=bound: ratio >= bound, f">= {bound}x", digits=1,
+            )
+        )  # fmt: skip
     return rows
 
 

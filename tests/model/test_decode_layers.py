@@ -102,17 +102,7 @@ def test_int8_layers_give_the_python_loops_numbers(
     arch: str, tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`quantization="int8"` projections (Q8_0 kernels) beside the packed or dense lm_head."""
-    model_dir = tiny_model_factory(arch)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-    run = lambda: engine_tokens_and_logprobs(  # noqa: E731
-        model_dir, _prompts(), params, dtype="bfloat16", max_num_batched_tokens=16,
-        num_kv_blocks=32, quantization="int8",
-    )  # fmt: skip
-    spy = _Spy(monkeypatch)
-    native = run()
-    assert spy.ran > 10 and spy.declined == 0
-    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
-    assert run() == native
+    _native_equals_loop(monkeypatch, tiny_model_factory(arch), _prompts(), quantization="int8")
 
 
 @pytest.mark.timeout(300)
@@ -130,11 +120,19 @@ def test_a_gguf_mix_of_types_gives_the_python_loops_numbers(
         tmp_path / "mix.gguf", "qwen2", weight_type=Q.Q4_0, embed_type=Q.Q8_0, seed=2,
         type_overrides={"v_proj": Q.Q8_0, "down_proj": Q.F16},
     )  # fmt: skip
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[t % 250 for t in p] for p in _prompts()]  # the tiny file's vocabulary: 268
+    _native_equals_loop(monkeypatch, tiny.path, prompts)
+
+
+def _native_equals_loop(
+    monkeypatch: pytest.MonkeyPatch, model: Path, prompts: list[list[int]], **config: Any
+) -> None:
+    """Tokens and logprobs (bf16, decodes beside prefill chunks) with the native layers, which
+    run every decode step, equal the Python loop's."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     run = lambda: engine_tokens_and_logprobs(  # noqa: E731
-        tiny.path, prompts, params, dtype="bfloat16", max_num_batched_tokens=16,
-        num_kv_blocks=32,
+        model, prompts, params, dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=32,
+        **config,
     )  # fmt: skip
     spy = _Spy(monkeypatch)
     native = run()

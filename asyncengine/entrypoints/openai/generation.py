@@ -13,10 +13,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import cast
 
 import anyio
 
 from asyncengine.client.input_processor import InputProcessor, request_limits
+from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.entrypoints.openai.errors import bad_request, from_value_error
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.outputs import RequestOutput
@@ -31,6 +33,27 @@ OnOutput = Callable[[int, RequestOutput], Awaitable[None]]
 class EnginePrompt:
     token_ids: list[int]
     text: str | None = None  # the prompt as text, when given as text (for `echo`)
+
+
+def engine_prompts(given: object, tokenizer: Tokenizer, param: str) -> list[EnginePrompt]:
+    """A body's prompts (`prompt` of completions, `input` of embeddings: a string, a list of
+    strings, a list of token ids, or a list of lists of token ids), tokenised; 400 naming
+    `param` for an empty list or a mixture."""
+    if isinstance(given, str):
+        return [EnginePrompt(tokenizer.encode(given), given)]
+    if not isinstance(given, list) or not given:
+        raise bad_request(f"{param} is an empty list", param)
+    if all(isinstance(p, str) for p in given):
+        return [EnginePrompt(tokenizer.encode(p), p) for p in cast("list[str]", given)]
+    if all(isinstance(p, int) for p in given):
+        return [EnginePrompt(cast("list[int]", given))]
+    if all(isinstance(p, list) for p in given):
+        return [EnginePrompt(p) for p in cast("list[list[int]]", given)]
+    raise bad_request(
+        f"{param} must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids (not a mixture)",
+        param,
+    )
 
 
 def check_request(

@@ -22,6 +22,7 @@ from asyncengine.entrypoints.openai.generation import (
     OnOutput,
     check_request,
     created_now,
+    engine_prompts,
     new_request_id,
     run_prompts,
 )
@@ -92,23 +93,7 @@ class CompletionServing:
 
     def _prompts(self, req: CompletionRequest, params: SamplingParams) -> list[EnginePrompt]:
         tokenizer = self.state.engine.tokenizer
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            prompts = [EnginePrompt(tokenizer.encode(prompt), prompt)]
-        elif not prompt:
-            raise bad_request("prompt is an empty list", "prompt")
-        elif all(isinstance(p, str) for p in prompt):
-            prompts = [EnginePrompt(tokenizer.encode(p), p) for p in cast("list[str]", prompt)]
-        elif all(isinstance(p, int) for p in prompt):
-            prompts = [EnginePrompt(cast("list[int]", prompt))]
-        elif all(isinstance(p, list) for p in prompt):
-            prompts = [EnginePrompt(p) for p in cast("list[list[int]]", prompt)]
-        else:
-            raise bad_request(
-                "prompt must be a string, a list of strings, a list of token ids or a list of "
-                "lists of token ids (not a mixture)",
-                "prompt",
-            )
+        prompts = engine_prompts(req.prompt, tokenizer, "prompt")
         check_request(self.state, prompts, params, req.priority or 0, "prompt")
         for p in prompts:
             if req.echo and p.text is None:

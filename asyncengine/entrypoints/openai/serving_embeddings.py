@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Any, cast
 
 import msgspec
 from starlette.requests import Request
@@ -17,7 +16,7 @@ from starlette.responses import Response
 from asyncengine.client.embedding import EMBED_PARAMS, MAX_INPUTS, check_embed_options
 from asyncengine.entrypoints.openai.body import decode_request
 from asyncengine.entrypoints.openai.errors import bad_request
-from asyncengine.entrypoints.openai.generation import EnginePrompt, check_request
+from asyncengine.entrypoints.openai.generation import EnginePrompt, check_request, engine_prompts
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.entrypoints.sse import call_until_disconnect
 
@@ -97,24 +96,7 @@ class EmbeddingServing:
         return Response(body or b"", media_type="application/json")
 
     def _prompts(self, req: EmbeddingRequest) -> list[EnginePrompt]:
-        tokenizer = self.state.engine.tokenizer
-        given: Any = req.input
-        if isinstance(given, str):
-            prompts = [EnginePrompt(tokenizer.encode(given), given)]
-        elif not given:
-            raise bad_request("input is an empty list", "input")
-        elif all(isinstance(p, str) for p in given):
-            prompts = [EnginePrompt(tokenizer.encode(p), p) for p in cast("list[str]", given)]
-        elif all(isinstance(p, int) for p in given):
-            prompts = [EnginePrompt(cast("list[int]", given))]
-        elif all(isinstance(p, list) for p in given):
-            prompts = [EnginePrompt(p) for p in cast("list[list[int]]", given)]
-        else:
-            raise bad_request(
-                "input must be a string, a list of strings, a list of token ids or a list of "
-                "lists of token ids (not a mixture)",
-                "input",
-            )
+        prompts = engine_prompts(req.input, self.state.engine.tokenizer, "input")
         if len(prompts) > MAX_INPUTS:
             raise bad_request(
                 f"{len(prompts)} inputs in one request: at most {MAX_INPUTS}", "input"
