@@ -4,6 +4,7 @@ GET  /v1/models, /v1/models/{model}     the served model
 POST /v1/completions                    serving_completion.py
 POST /v1/chat/completions               serving_chat.py
 POST /v1/embeddings                     serving_embeddings.py
+POST /v1/responses                      serving_responses.py (stateless: nothing is stored)
 GET  /health                            200 after a real round trip to the core (its body:
                                         "ok" or "degraded", with each rank's state), else 503
 GET  /metrics                           Prometheus text (metrics.py)
@@ -37,6 +38,7 @@ from asyncengine.entrypoints.openai.reasoning import reasoning_parser as reasoni
 from asyncengine.entrypoints.openai.serving_chat import ChatServing
 from asyncengine.entrypoints.openai.serving_completion import CompletionServing
 from asyncengine.entrypoints.openai.serving_embeddings import EmbeddingServing
+from asyncengine.entrypoints.openai.serving_responses import ResponsesServing
 from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
 from asyncengine.errors import EngineDeadError
 from asyncengine.gguf.serving import served_model_name as served_model_name_of
@@ -96,6 +98,7 @@ def build_app(
         Route("/v1/completions", CompletionServing(state).create, methods=["POST"]),
         Route("/v1/chat/completions", ChatServing(state, parser).create, methods=["POST"]),
         Route("/v1/embeddings", EmbeddingServing(state).create, methods=["POST"]),
+        Route("/v1/responses", ResponsesServing(state, parser).create, methods=["POST"]),
         Route("/health", endpoints.health, methods=["GET"]),
         Route("/metrics", endpoints.metrics, methods=["GET"]),
         Route("/version", endpoints.version, methods=["GET"]),
