@@ -251,6 +251,49 @@ async def test_async_stream(tiny: RunningServer) -> None:
     assert _summary(final) == _summary(out)
 
 
+def test_the_raw_stream_names_each_event(tiny: RunningServer) -> None:
+    body = {"model": "tiny", "input": "Hello", "stream": True, "max_output_tokens": 4}
+    response = httpx.post(tiny.base_url + "/responses", json=body, timeout=60)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.endswith("\n\n") and "[DONE]" not in response.text
+    blocks = response.text[:-2].split("\n\n")
+    for n, block in enumerate(blocks):
+        kind, data = block.split("\n")  # `event: TYPE`, then one `data: {json}` line
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}" and event["sequence_number"] == n
+    assert json.loads(blocks[-1].split("\n")[1][6:])["type"] == "response.completed"
+
+
+def _generated(server: RunningServer) -> float:
+    metrics = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+    return metrics["asyncengine_generation_tokens_total"]
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(
+    client: openai.OpenAI, tiny: RunningServer
+) -> None:
+    before = _generated(tiny)
+    kw: dict[str, Any] = dict(GREEDY, max_output_tokens=900)
+    with client.responses.stream(input="Hello", **kw) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break  # leaves: the `client` fixture then waits for every KV block to be free
+    deadline = time.monotonic() + 10
+    while tiny.state.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _generated(tiny) - before < 900  # aborted, not run to its end
+
+
+async def test_503_while_the_engine_is_not_running(chat_model: Path) -> None:
+    app = build_app(chat_model, core="thread", device="cpu", dtype="float32", max_model_len=512)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.post("/v1/responses", json={"input": "hi"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == 503
+
+
 def test_store_is_accepted_and_nothing_is_stored(client: openai.OpenAI) -> None:
     out = client.responses.create(input="Hello", store=True, **GREEDY)
     assert out.store is False
@@ -582,7 +625,7 @@ def test_an_error_mid_stream_is_an_error_event_then_failed(
 ) -> None:
     script("It", " is", error=EngineDeadError("the core died"))
     with qclient.responses.stream(model="tiny", input="2 + 2?") as stream:
-        events = list(stream)
+        events: list[Any] = list(stream)
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
     assert types[-2:] == ["error", "response.failed"], types
