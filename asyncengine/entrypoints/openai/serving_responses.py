@@ -267,7 +267,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", param)
-            output = _text(item.get("output"), f"{param}.output", "output")
+            output = _text(item.get("output"), f"{param}.output")
             tool_message = {"role": "tool", "tool_call_id": call_id, "content": output}
             if call_id in call_names:
                 tool_message["name"] = call_names[call_id]
@@ -298,8 +298,9 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": _ROLES[role], "content": _text(item.get("content"), f"{param}.content")}
 
 
-def _text(content: object, param: str, what: str = "content") -> str:
-    """A message's content: a string, or a list of input_text / output_text parts."""
+def _text(content: object, param: str) -> str:
+    """A message's content (or a tool's output): a string, or a list of input_text /
+    output_text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -310,14 +311,16 @@ def _text(content: object, param: str, what: str = "content") -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(text, str):
+        if kind not in _TEXT_PARTS:
             raise bad_request(
-                f"{param}[{j}] of type {kind!r} is not supported: only input_text (and "
-                f"output_text) parts with a string `text` ({what} images and files are not "
-                "supported)",
+                f"{param}[{j}] of type {kind!r} is not supported: only input_text and "
+                "output_text parts (images, files and audio are not supported)",
                 f"{param}[{j}]",
             )
+        assert isinstance(part, dict)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
         texts.append(text)
     return "\n".join(texts)
 

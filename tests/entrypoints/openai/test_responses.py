@@ -424,6 +424,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "input_image",
     ),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id", "call_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text",
+     "must be a string"),
     (
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
         "input[0]",
