@@ -2,8 +2,8 @@
 
 - `ensure_built()`: llama.cpp from the pinned `llama-cpp-python` sdist on PyPI (it vendors
   llama.cpp's source), built with cmake into `.bench/llamacpp/` (`-DGGML_NATIVE=ON`; targets
-  llama-server, llama-batched-bench, llama-quantize; about 9 minutes on 2 cores), or what is
-  there already.
+  llama-server, llama-batched-bench, llama-quantize, llama-perplexity, llama-tokenize; about
+  10 minutes on 2 cores), or what is there already.
 - `fetch_source()`: the sdist alone, unpacked (enough for the converter, no build).
 - `to_gguf()`: a Hugging Face folder to GGUF (bf16, f32 or q8_0) by llama.cpp's own converter,
   run with the vendored `gguf-py`, so converter and library match.
@@ -38,7 +38,9 @@ BENCH_DIR = REPO_ROOT / ".bench"
 # Pinned: the flags used below, and the converter's behaviour, are those of this release's
 # vendored llama.cpp.
 SDIST_VERSION = "0.3.36"
-TARGETS = ("llama-server", "llama-batched-bench", "llama-quantize")
+TARGETS = (
+    "llama-server", "llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-tokenize"
+)  # fmt: skip
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -73,6 +75,14 @@ class LlamaCpp:
     @property
     def quantize(self) -> Path:
         return self.bin_dir / "llama-quantize"
+
+    @property
+    def perplexity(self) -> Path:
+        return self.bin_dir / "llama-perplexity"
+
+    @property
+    def tokenize(self) -> Path:
+        return self.bin_dir / "llama-tokenize"
 
     @property
     def convert_script(self) -> Path:
