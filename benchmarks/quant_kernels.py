@@ -1,14 +1,20 @@
-"""The Q8_0 / Q4_0 linear kernels (kernels/quant_cpu.py) against the bf16 one (linear_cpu.py)
-on the same shapes, the weights coming from memory as they do in a decode step.
+"""The quantized linear kernels (kernels/quant_cpu.py) against the bf16 one (linear_cpu.py) on
+the same shapes, the weights coming from memory as they do in a decode step: every format the
+native build runs (`quant_cpu.native_formats()`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and, once they
+land, the K-quants).
 
     python benchmarks/quant_kernels.py [--rows 1,4,64] [--shapes 2048x8192,8192x2048]
                                        [--repeats 30] [--path avx512_vnni|avx2|scalar]
+                                       [--formats q4_0,q4_1]
 
 Shapes are N x K (out x in). For each shape and row count it times one product of each kind
-in turn, interleaved (bf16, Q8_0, Q4_0, bf16, ...), `--repeats` times, each call on the next of
-several copies of the weight (together over 96 MB, past the last-level cache), and prints the
-median ms, the weight bytes per ms as GB/s, and each quantized kind's speed-up over bf16 in this
-one run: the machine's bandwidth drifts between runs and under other load, so compare ratios.
+in turn, interleaved (bf16, Q8_0, Q4_0, ..., bf16, ...), `--repeats` times, each call on the
+next of several copies of the weight (together over 96 MB, past the last-level cache), and
+prints one line per kind: the median ms, the weight bytes per ms as GB/s, and its speed-up
+over bf16 in this one run: the machine's bandwidth drifts between runs and under other load,
+so compare ratios. The legacy formats' weights come from `quantize_weight`, the others'
+(which no quantizer here writes) from `quant_formats.random_blocks`: the kernels' speed does
+not depend on the values.
 """
 
 from __future__ import annotations
@@ -35,21 +41,28 @@ def main() -> int:
     parser.add_argument("--shapes", default="2048x8192,8192x2048")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--path", default=None, help="the quantized kernels' CPU path")
+    parser.add_argument("--formats", default=None, help="of native_formats(); default: all")
     args = parser.parse_args()
 
-    from asyncengine.kernels import quant_cpu
+    from asyncengine.kernels import quant_cpu, quant_formats
     from asyncengine.kernels.cpu_native import require_native
     from asyncengine.kernels.linear_cpu import LinearCpu, pack_native
 
     lib = require_native()
     path = quant_cpu.set_path(args.path)
+    formats = quant_cpu.native_formats()
+    if args.formats:
+        wanted = args.formats.split(",")
+        missing = [f for f in wanted if f not in formats]
+        if missing:
+            parser.error(f"not run natively here: {', '.join(missing)} (have {formats})")
+        formats = tuple(wanted)
     print(f"threads {torch.get_num_threads()}, quantized path {path}, bf16 fast path "
-          f"{'yes' if lib.linear_bf16_fast else 'no'}")  # fmt: skip
-    cols = ("N x K", "rows", "bf16 ms (GB/s)", "Q8_0 ms (GB/s)", "Q4_0 ms (GB/s)", "bf16/Q8_0",
-            "bf16/Q4_0")  # fmt: skip
-    print("| " + " | ".join(cols) + " |")
-    print("|---|---|---|---|---|---|---|")
+          f"{'yes' if lib.linear_bf16_fast else 'no'}, formats {', '.join(formats)}")  # fmt: skip
+    print("| N x K | rows | kind | ms | GB/s | bf16 / kind |")
+    print("|---|---|---|---|---|---|")
     torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -61,8 +74,11 @@ def main() -> int:
                 for _ in range(_copies(n * k * 2))
             ]
             kinds["bf16"] = (n * k * 2, _rotating(copies))
-            for qtype in (quant_cpu.Q8_0, quant_cpu.Q4_0):
-                q = quant_cpu.quantize_weight(w, qtype)
+            for qtype in formats:
+                if qtype in quant_formats.LEGACY:
+                    q = quant_cpu.quantize_weight(w, qtype)
+                else:
+                    q = quant_formats.random_blocks(qtype, n, k, generator)
                 qs = [q.clone() for _ in range(_copies(q.numel()))]
                 quant = [functools.partial(quant_cpu.linear_quant_cpu, qweight=c, qtype=qtype)
                          for c in qs]  # fmt: skip
@@ -77,11 +93,10 @@ def main() -> int:
                         if i >= 3:  # warm-up calls
                             times[name].append((time.perf_counter() - start) * 1000)
                 med = {name: statistics.median(t) for name, t in times.items()}
-                cells = [f"{med[nm]:.3f} ({kinds[nm][0] / med[nm] / 1e6:.0f})" for nm in kinds]
-                ratios = [
-                    f"{med['bf16'] / med[qt]:.2f}x" for qt in (quant_cpu.Q8_0, quant_cpu.Q4_0)
-                ]
-                print(f"| {n}x{k} | {rows} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+                for name, (nbytes, _) in kinds.items():
+                    print(f"| {n}x{k} | {rows} | {name} | {med[name]:.3f} | "
+                          f"{nbytes / med[name] / 1e6:.0f} | "
+                          f"{med['bf16'] / med[name]:.2f}x |")  # fmt: skip
     return 0
 
 

@@ -18,9 +18,9 @@ The kernel's CPU path (`PATHS`: AVX512-VNNI, AVX2, scalar) is the best this buil
 picks one (tests); the paths differ only in the order of the fp32 sums.
 
 `native_formats()` names the formats the native kernels run (the rest run on the torch
-reference). `quantize_weight` makes Q8_0 / Q4_0 bytes from an fp32 matrix the way ggml's
-reference quantizers do (round to nearest), for tests; `dequantize` reads any format back as
-fp32.
+reference). `quantize_weight` makes the legacy formats' bytes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+from an fp32 matrix the way ggml's reference quantizers do (round to nearest), for tests;
+`dequantize` reads any format back as fp32.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from asyncengine.kernels.quant_formats import (
 )
 
 __all__ = [
-    "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "QK", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1",
-    "Q5_K", "Q6_K", "Q8_0", "available_paths", "current_path", "dequantize",
+    "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
+    "Q6_K", "Q8_0", "QK", "available_paths", "current_path", "dequantize",
     "dequantize_rows_q8", "linear_quant_cpu", "linear_quant_torch", "native_formats",
     "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight", "set_path",
 ]  # fmt: skip
@@ -69,27 +69,52 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """`weight` [N, K] (K a multiple of 32) as GGUF `qtype` blocks: uint8 [N, K / 32 * block
-    bytes], rounded as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` round."""
-    if qtype not in (Q8_0, Q4_0):
-        raise ValueError(f"quantize_weight writes {Q8_0} and {Q4_0}, not {qtype!r}")
+    """`weight` [N, K] (K a multiple of 32) as GGUF `qtype` blocks, one of `LEGACY`: uint8
+    [N, K / 32 * block bytes], computed as ggml's `quantize_row_<qtype>_ref` computes them (in
+    fp32, in the same order; round to nearest as it rounds)."""
+    if qtype not in LEGACY:
+        raise ValueError(f"quantize_weight writes {', '.join(LEGACY)}, not {qtype!r}")
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"K={k} is not a multiple of {QK}")
     blocks = weight.float().reshape(n, k // QK, QK)  # [N, nb, 32]
     if qtype == Q8_0:
         d = blocks.abs().amax(-1, keepdim=True) / 127  # [N, nb, 1]
-        inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
-        q = _round_half_away(blocks * inv).to(torch.int8).view(torch.uint8)
-    else:
-        # the value of largest magnitude (the first such), to -8
+        q = _round_half_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+        return torch.cat([_f16_bytes(d), q], dim=-1).reshape(n, -1)
+    if qtype in (Q4_0, Q5_0):
+        # the value of largest magnitude (the first such) to -8 (Q5_0: -16); q = w / d + 8
+        # (16), the + 0.5 and a truncation rounding it
+        half = 8 if qtype == Q4_0 else 16
         peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-        d = peak / -8
-        inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
-        nib = torch.trunc(blocks * inv + 8.5).clamp(max=15).to(torch.uint8)  # [N, nb, 32]
-        q = nib[..., : QK // 2] | (nib[..., QK // 2 :] << 4)
-    scale = d.half().view(torch.uint8)  # [N, nb, 2], little-endian
-    return torch.cat([scale, q], dim=-1).reshape(n, -1)
+        d = peak / -half
+        q = torch.trunc(blocks * _inverse(d) + (half + 0.5)).clamp(max=2 * half - 1)
+        parts = [_f16_bytes(d)]
+    else:
+        # Q4_1 / Q5_1: from the minimum m to the maximum in 15 (31) steps; q = (w - m) / d
+        top = 15 if qtype == Q4_1 else 31
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (high - low) / top
+        q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(max=top)
+        parts = [_f16_bytes(d), _f16_bytes(low)]
+    q = q.to(torch.uint8)  # [N, nb, 32], each in 0..15 (Q5: 0..31)
+    if qtype in (Q5_0, Q5_1):  # qh: bit j is element j's fifth bit, a little-endian uint32
+        bits = ((q >> 4) & 1).reshape(n, k // QK, 4, 8)
+        weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+        parts.append((bits * weights).sum(-1, dtype=torch.uint8))
+    nib = q & 15
+    parts.append(nib[..., : QK // 2] | (nib[..., QK // 2 :] << 4))
+    return torch.cat(parts, dim=-1).reshape(n, -1)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, 0 where d is 0 (ggml's `id = d ? 1.0f/d : 0.0f`)."""
+    return torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., 1] as its fp16's two bytes [..., 2], little-endian (as GGML_FP32_TO_FP16)."""
+    return v.half().view(torch.uint8)
 
 
 def quantize_rows_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,28 +1,36 @@
 /*
- * Linear layers over GGUF's legacy block-quantized weights, Q8_0 and Q4_0, read as a GGUF file
- * stores them: out = x @ W^T (+ bias), with x's rows quantized to int8 blocks on the way in,
- * as llama.cpp does.
+ * Linear layers over GGUF's legacy block-quantized weights, the formats with blocks of 32
+ * values (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read as a GGUF file stores them: out = x @ W^T
+ * (+ bias), with x's rows quantized to int8 blocks on the way in, as llama.cpp does.
+ * (ae_linear_quant, at the end, also hands the K-quants to quant_kquants.c.)
  *
  * Weights: W [N][K] is N rows of K / 32 blocks, row-major, nothing between rows (ggml's
- * block_q8_0 and block_q4_0):
- *   Q8_0, 34 bytes: fp16 scale d, then 32 int8 q; weight i = q[i] * d.
- *   Q4_0, 18 bytes: fp16 scale d, then 16 bytes; byte j's low nibble is element j, its high
- *   nibble element j + 16; weight = (nibble - 8) * d.
+ * block_q8_0 ... block_q5_1; d and m fp16, qh a little-endian uint32):
+ *   Q8_0, 34 bytes: d, then 32 int8 q; weight i = q[i] * d.
+ *   Q4_0, 18 bytes: d, then 16 bytes; byte j's low nibble is element j, its high nibble
+ *     element j + 16; weight = (q - 8) * d.
+ *   Q4_1, 20 bytes: d, m, then the nibbles as Q4_0; weight = q * d + m.
+ *   Q5_0, 22 bytes: d, qh (bit j: element j's fifth bit), the nibbles; weight = (q - 16) * d.
+ *   Q5_1, 24 bytes: d, m, qh, the nibbles; weight = q * d + m (q in 0..31).
  *
  * Activations: each row of x is cut into blocks of 32 and each block quantized to int8 with
  * one fp32 scale (ae_quantize_rows_q8: d = max|x| / 127, q = x * (127 / max|x|) rounded to
- * nearest even, so q is in [-127, 127]). A weight block against an activation block is then an
- * exact integer dot product times the two scales; the products of the blocks are summed in
- * fp32 (in lanes, in block order; the scalar path in block order), the bias added in fp32, one
- * rounding to the output dtype at the store.
+ * nearest even, so q is in [-127, 127]). A weight block against an activation block (a, da)
+ * is then an exact integer dot product times the two scales, d * da * sum (q - offset) a; a
+ * format with a minimum m (Q4_1, Q5_1) adds m * da * sum a, whose da * sum a (sa, one float
+ * per activation block, as llama.cpp's block_q8_1 keeps it) is computed once per call. The
+ * products of the blocks are summed in fp32 (in lanes, in block order; the scalar path in
+ * block order), the bias added in fp32, one rounding to the output dtype at the store.
  *
  * Paths, chosen per call (ae_quant_set_path; the best built one unless told otherwise): every
  * one gives the same integer block dots, so they differ only in the order of the fp32 sums.
  *   AVX512-VNNI: two blocks per vpdpbusd (zmm), on activations laid out for it once per call;
  *     per-lane sums, each block's two scales applied by one FMA, one horizontal sum per output
- *     (see struct vnni_rows).
- *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs) on |w| and a with w's
- *     sign (vpsignb): each pair is at most 2 * 128 * 127, inside int16, so nothing saturates.
+ *     (see struct vnni_rows); the m terms, one FMA per 16 blocks into the same lane sums.
+ *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs). Signed weights (Q8_0,
+ *     Q4_0, Q5_0) go in as |w|, with a taking w's sign (vpsignb): each pair is at most
+ *     2 * 128 * 127, inside int16, so nothing saturates; Q4_1's and Q5_1's q (at most 31) go
+ *     in as they are. The m terms, one FMA per 8 blocks.
  *   Scalar: plain loops (any CPU; a build without AVX2).
  *
  * Work: items of ROWS_PER_ITEM weight rows (more where N is huge), on linear.c's pool for up
@@ -39,7 +47,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* (BW for the byte masks that set Q5's fifth bits; every CPU with VNNI has it) */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    defined(__AVX512BW__)
 #define HAVE_VNNI 1
 #endif
 #endif
@@ -50,16 +60,34 @@
 #include "pool.h"
 
 #define QK 32          /* weights per block */
-#define Q8_0_BYTES 34  /* fp16 d + 32 int8 */
-#define Q4_0_BYTES 18  /* fp16 d + 16 bytes of nibbles */
 #define ROWS_PER_ITEM 16
 #define MAX_R 4        /* rows of x per tile */
 #define MAX_C 4        /* weight rows per tile */
 /* Software prefetch this far ahead of the weight loads (as linear.c's PREFETCH_BYTES). */
 #define PREFETCH_BYTES 4096
 
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1 };
+/* Format codes as ae_kernels.h (quant_formats.FORMATS); FMT_END: the first one not here. */
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2, FMT_Q5_0 = 3, FMT_Q5_1 = 4, FMT_END = 5 };
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
+
+/* A format's block: its bytes, which parts it has and where they lie (from the block's start;
+ * d is always first), and what is subtracted from its quants. Constants in every kernel: each
+ * is inlined once per format. */
+static ALWAYS_INLINE int block_bytes(int fmt) {
+    static const int bytes[FMT_END] = {34, 18, 20, 22, 24};
+    return bytes[fmt];
+}
+/* an fp16 minimum m right after d */
+static ALWAYS_INLINE int has_min(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_Q5_1; }
+/* a uint32 of fifth bits after d (and m) */
+static ALWAYS_INLINE int has_qh(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q5_1; }
+static ALWAYS_INLINE int qh_off(int fmt) { return 2 + 2 * has_min(fmt); }
+/* the quants: Q8_0's 32 int8, the others' 16 bytes of nibbles */
+static ALWAYS_INLINE int qs_off(int fmt) { return 2 + 2 * has_min(fmt) + 4 * has_qh(fmt); }
+/* weight = (q - q_offset) * d (+ m) for the formats of unsigned quants */
+static ALWAYS_INLINE int q_offset(int fmt) {
+    return fmt == FMT_Q4_0 ? 8 : fmt == FMT_Q5_0 ? 16 : 0;
+}
 
 static int best_path(void) {
 #if defined(HAVE_VNNI)
@@ -106,10 +134,6 @@ static ALWAYS_INLINE float f16_at(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, 2);
     return (float)h;
-}
-
-static ALWAYS_INLINE int64_t block_bytes(int fmt) {
-    return fmt == FMT_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
 }
 
 /* ---- activations ---- */
@@ -193,21 +217,58 @@ void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t
                      d + m * (K / QK));
 }
 
+/*
+ * sa[m * st + b] = da * (the sum of block b's int8 values) for x's M quantized rows (qa, da)
+ * of nb blocks, zeros from nb up to st: the factor of the m terms (see the top).
+ */
+static void block_sums(const int8_t *qa, const float *da, int64_t M, int64_t nb, int64_t st,
+                       float *sa) {
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *q = qa + (m * nb + b) * QK;
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += q[i];
+            sa[m * st + b] = da[m * nb + b] * (float)s;
+        }
+        for (int64_t b = nb; b < st; b++) sa[m * st + b] = 0.0f;
+    }
+}
+
 /* ---- one tile: R rows of x against C weight rows ---- */
 
 #ifdef HAVE_AVX2
-/* A Q4_0 block's 32 nibbles as bytes 0..15, in element order. */
-static ALWAYS_INLINE __m256i load_nibbles(const uint8_t *blk) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+/* A block's 16 bytes of nibbles (at qs) as 32 bytes 0..15, in element order. */
+static ALWAYS_INLINE __m256i load_nibbles(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
     const __m128i m4 = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
     return _mm256_set_m128i(hi, lo);
 }
 
-/* A weight block's 32 values as signed bytes, in element order. */
+/* A block's qh (at p) as 32 bytes: 0xFF in byte j where bit j is set, else 0. */
+static ALWAYS_INLINE __m256i fifth_bits(const uint8_t *p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    /* byte j gets qh's byte j / 8 (the shuffle is per 128-bit lane: both lanes hold qh) */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                         3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* j % 8 */
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+/* A weight block's 32 values as bytes, in element order: q - q_offset (signed) for Q8_0,
+ * Q4_0 and Q5_0; q as it is (unsigned, 0..31) for Q4_1 and Q5_1. */
 static ALWAYS_INLINE __m256i load_w(int fmt, const uint8_t *blk) {
     if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    return _mm256_sub_epi8(load_nibbles(blk), _mm256_set1_epi8(8));
+    const __m256i q = load_nibbles(blk + qs_off(fmt));
+    if (fmt == FMT_Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    if (fmt == FMT_Q4_1) return q;
+    const __m256i high = fifth_bits(blk + qh_off(fmt));
+    if (fmt == FMT_Q5_0) /* q - 16 at once: the nibble with 0xF0 (-16) where the bit is clear */
+        return _mm256_or_si256(q, _mm256_andnot_si256(high, _mm256_set1_epi8((char)0xF0)));
+    return _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(16)));
 }
 
 static ALWAYS_INLINE float hsum8(__m256 v) {
@@ -218,31 +279,38 @@ static ALWAYS_INLINE float hsum8(__m256 v) {
 }
 #endif
 
-/* One weight block's values as int8 (wq) and its scale. */
+/* One weight block's values as int8 (wq: q - q_offset; Q4_1's and Q5_1's q as they are) and
+ * its scale d. */
 static ALWAYS_INLINE float unpack_block(int fmt, const uint8_t *blk, int8_t *restrict wq) {
     if (fmt == FMT_Q8_0) {
         memcpy(wq, blk + 2, QK);
     } else {
+        const uint8_t *qs = blk + qs_off(fmt);
+        uint32_t qh = 0;
+        if (has_qh(fmt)) memcpy(&qh, blk + qh_off(fmt), 4);
         for (int j = 0; j < QK / 2; j++) {
-            wq[j] = (int8_t)((blk[2 + j] & 15) - 8);
-            wq[j + QK / 2] = (int8_t)((blk[2 + j] >> 4) - 8);
+            const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            const int hi = (qs[j] >> 4) | (int)((qh >> (j + QK / 2)) & 1) << 4;
+            wq[j] = (int8_t)(lo - q_offset(fmt));
+            wq[j + QK / 2] = (int8_t)(hi - q_offset(fmt));
         }
     }
     return f16_at(blk);
 }
 
 /*
- * res[r * res_st + c] = the product of x row r (qa + r * K, scales da + r * nb) with weight row
- * c (w + c * row_bytes), for r < R, c < C; nb blocks. R, C, fmt and path are constants in each
- * inlined copy.
+ * res[r * res_st + c] = the product of x row r (qa + r * K, scales da + r * nb, block sums
+ * sa + r * sa_st) with weight row c (w + c * row_bytes), for r < R, c < C; nb blocks. R, C,
+ * fmt and path are constants in each inlined copy.
  */
 static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const int C,
                                const uint8_t *w, int64_t row_bytes, int64_t nb,
-                               const int8_t *qa, const float *da, int64_t K, float *res,
-                               int64_t res_st) {
+                               const int8_t *qa, const float *da, const float *sa,
+                               int64_t sa_st, int64_t K, float *res, int64_t res_st) {
     const int64_t bb = block_bytes(fmt);
 #ifdef HAVE_AVX2
     if (path != PATH_SCALAR) {
+        const int is_unsigned = has_min(fmt);
         __m256 acc[MAX_R][MAX_C];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -253,17 +321,35 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
                 const uint8_t *blk = w + c * row_bytes + b * bb;
                 dw[c] = _mm256_set1_ps(f16_at(blk));
                 wv[c] = load_w(fmt, blk);
-                wx[c] = _mm256_sign_epi8(wv[c], wv[c]); /* |w|; |-128| reads as 128 unsigned */
+                /* |w|; |-128| reads as 128 unsigned */
+                wx[c] = is_unsigned ? wv[c] : _mm256_sign_epi8(wv[c], wv[c]);
             }
             for (int r = 0; r < R; r++) {
                 const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * K + b * QK));
                 const __m256 d = _mm256_set1_ps(da[r * nb + b]);
                 for (int c = 0; c < C; c++) {
-                    const __m256i p = _mm256_maddubs_epi16(wx[c], _mm256_sign_epi8(a, wv[c]));
+                    const __m256i p = _mm256_maddubs_epi16(
+                        wx[c], is_unsigned ? a : _mm256_sign_epi8(a, wv[c]));
                     const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[c], d),
                                                 acc[r][c]);
                 }
+            }
+        }
+        /* m * sa, 8 blocks at a time into the same lanes (sa is zero past the row's end) */
+        for (int64_t g = 0; has_min(fmt) && g < nb; g += 8) {
+            __m256 mw[MAX_C];
+            for (int c = 0; c < C; c++) {
+                uint16_t h[8];
+                for (int i = 0; i < 8; i++) {
+                    h[i] = 0;
+                    if (g + i < nb) memcpy(&h[i], w + c * row_bytes + (g + i) * bb + 2, 2);
+                }
+                mw[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 s = _mm256_loadu_ps(sa + r * sa_st + g);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(mw[c], s, acc[r][c]);
             }
         }
         for (int r = 0; r < R; r++)
@@ -275,8 +361,12 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
     float acc[MAX_R][MAX_C] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
         int8_t wq[MAX_C][QK];
-        float dw[MAX_C];
-        for (int c = 0; c < C; c++) dw[c] = unpack_block(fmt, w + c * row_bytes + b * bb, wq[c]);
+        float dw[MAX_C], mw[MAX_C];
+        for (int c = 0; c < C; c++) {
+            const uint8_t *blk = w + c * row_bytes + b * bb;
+            dw[c] = unpack_block(fmt, blk, wq[c]);
+            mw[c] = has_min(fmt) ? f16_at(blk + 2) : 0.0f;
+        }
         for (int r = 0; r < R; r++) {
             const int8_t *a = qa + r * K + b * QK;
             const float d = da[r * nb + b];
@@ -284,6 +374,7 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
                 int32_t s = 0;
                 for (int i = 0; i < QK; i++) s += (int32_t)wq[c][i] * a[i];
                 acc[r][c] += (float)s * (dw[c] * d);
+                if (has_min(fmt)) acc[r][c] += mw[c] * sa[r * sa_st + b];
             }
         }
     }
@@ -297,24 +388,36 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
  * blocks' bytes, a conversion, one permute of the blocks' scales and one FMA into per-lane sums
  * reduced at the row's end, with no broadcasts or horizontal sums. Each 16 blocks' fp16 weight
  * scales come in with 16 scalar loads and one vcvtph2ps; times the 16 activation scales, they
- * make a small table that a permute spreads over the two blocks' lanes.
+ * make a small table that a permute spreads over the two blocks' lanes. The m terms of Q4_1
+ * and Q5_1 take 16 more loads, a vcvtph2ps and one FMA by the 16 blocks' sa per 16 blocks.
  *
- * vpdpbusd multiplies unsigned by signed bytes: the weights are made unsigned (Q8_0: w + 128,
- * an xor; Q4_0: the nibbles as they are, w + 8) and the excess, 128 (or 8) times the sum of the
- * lane's 4 activations, starts each lane's sum negated (corr): the integer dots stay exact.
- * Q4_0's 16 bytes hold elements 0-15 (low nibbles) and 16-31 (high): a pair of blocks unpacks
- * as [lo 0, lo 1, hi 0, hi 1] (16 bytes each), and the activations are stored in that order.
- * Blocks past the row's end (to a multiple of 16) are zeros in a, corr and da.
+ * vpdpbusd multiplies unsigned by signed bytes: the weights go in unsigned (Q8_0: w + 128, an
+ * xor; the others: q, that is w + q_offset), and the excess, 128 (Q4_0: 8; Q5_0: 16; Q4_1 and
+ * Q5_1: none) times the sum of the lane's 4 activations, starts each lane's sum negated (corr):
+ * the integer dots stay exact. A nibble block's 16 bytes hold elements 0-15 (low nibbles) and
+ * 16-31 (high): Q4_0's and Q4_1's pair of blocks unpacks as [lo 0, lo 1, hi 0, hi 1] (16 bytes
+ * each), and the activations are stored in that order. Q5_0's and Q5_1's unpacks, with one
+ * more shuffle, in element order (block b, then b + 1; the activations as Q8_0's), so that the
+ * two qh side by side (h1 << 32 | h0) are a byte mask in the bytes' order: the fifth bits are
+ * added as 16 under it (in the other order, the mask took ~15 scalar instructions per pair and
+ * weight row). Blocks past the row's end (to a multiple of 16) are zeros in a, corr, da and
+ * sa.
  */
 struct vnni_rows {
     const int8_t *a;     /* [M][nbp * 32] the blocks' bytes, in pairs as above */
-    const int32_t *corr; /* [M][nbp * 8] each lane's -128 (Q4_0: -8) * sum of its 4 bytes */
+    const int32_t *corr; /* [M][nbp * 8] each lane's -excess * sum of its 4 bytes */
     const float *da;     /* [M][nbp] the blocks' scales */
     int64_t nbp;         /* blocks per row, rounded up to 16 */
 };
 
-#ifdef HAVE_VNNI
 static ALWAYS_INLINE int64_t round16(int64_t nb) { return (nb + 15) & ~(int64_t)15; }
+
+#ifdef HAVE_VNNI
+/* What vpdpbusd's unsigned weights exceed the true ones by (see above). */
+static ALWAYS_INLINE int vnni_excess(int fmt) { return fmt == FMT_Q8_0 ? 128 : q_offset(fmt); }
+
+/* A pair of blocks in element order (Q8_0, Q5_0, Q5_1), else as [lo 0, lo 1, hi 0, hi 1]. */
+static ALWAYS_INLINE int in_order(int fmt) { return fmt == FMT_Q8_0 || has_qh(fmt); }
 
 /* Bytes of the prepared activations of M rows of nb blocks. */
 static size_t vnni_bytes(int64_t M, int64_t nb) {
@@ -330,13 +433,13 @@ static struct vnni_rows prepare_vnni(int fmt, const int8_t *qa, const float *da,
     int8_t *a = (int8_t *)(corr + M * nbp * 8);
     float *d = (float *)(a + M * nbp * 32);
     memset(buf, 0, vnni_bytes(M, nb));
-    const int32_t excess = fmt == FMT_Q8_0 ? 128 : 8;
+    const int32_t excess = vnni_excess(fmt);
     for (int64_t m = 0; m < M; m++) {
         const int8_t *src = qa + m * nb * QK;
         int8_t *dst = a + m * nbp * QK;
         for (int64_t b = 0; b < nb; b++) {
             d[m * nbp + b] = da[m * nb + b];
-            if (fmt == FMT_Q8_0) {
+            if (in_order(fmt)) {
                 memcpy(dst + b * QK, src + b * QK, QK);
             } else { /* pair (2i, 2i+1): [2i lo, 2i+1 lo, 2i hi, 2i+1 hi], 16 bytes each */
                 int8_t *pair = dst + (b & ~(int64_t)1) * QK + (b & 1) * 16;
@@ -344,7 +447,7 @@ static struct vnni_rows prepare_vnni(int fmt, const int8_t *qa, const float *da,
                 memcpy(pair + 32, src + b * QK + 16, 16);
             }
         }
-        for (int64_t l = 0; l < nbp * 8; l++) {
+        for (int64_t l = 0; excess && l < nbp * 8; l++) {
             const int8_t *q = dst + 4 * l;
             corr[m * nbp * 8 + l] = -excess * (q[0] + q[1] + q[2] + q[3]);
         }
@@ -355,97 +458,138 @@ static struct vnni_rows prepare_vnni(int fmt, const int8_t *qa, const float *da,
 /* Blocks b and b + 1 of a weight row (blk: block b) as the unsigned bytes vpdpbusd takes,
  * lined up with the activations; only block b where `half` (block b + 1 lies past the row). */
 static ALWAYS_INLINE __m512i load_pair(const int fmt, const int half, const uint8_t *blk) {
+    const int bb = block_bytes(fmt);
     if (fmt == FMT_Q8_0) {
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 2));
         const __m512i w =
             half ? _mm512_zextsi256_si512(lo)
                  : _mm512_inserti64x4(_mm512_castsi256_si512(lo),
-                                      _mm256_loadu_si256((const __m256i *)(blk + 2 + 34)), 1);
+                                      _mm256_loadu_si256((const __m256i *)(blk + 2 + bb)), 1);
         return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
     }
-    const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const uint8_t *qs = blk + qs_off(fmt);
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)qs);
     const __m256i q = half ? _mm256_zextsi128_si256(b0)
                            : _mm256_inserti128_si256(_mm256_castsi128_si256(b0),
-                                                     _mm_loadu_si128((const __m128i *)(blk + 20)),
+                                                     _mm_loadu_si128((const __m128i *)(qs + bb)),
                                                      1);
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q),
-                                            _mm256_srli_epi32(q, 4), 1);
-    return _mm512_and_si512(both, _mm512_set1_epi8(15));
+    /* [lo 0, lo 1, hi 0, hi 1] */
+    __m512i both = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi32(q, 4), 1),
+        _mm512_set1_epi8(15));
+    if (!has_qh(fmt)) return both;
+    both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)); /* [lo 0, hi 0, lo 1, hi 1] */
+    uint32_t h0, h1 = 0;
+    memcpy(&h0, blk + qh_off(fmt), 4);
+    if (!half) memcpy(&h1, blk + bb + qh_off(fmt), 4);
+    return _mm512_mask_add_epi8(both, (uint64_t)h1 << 32 | h0, both, _mm512_set1_epi8(16));
 }
 
-/* Which of a group's 16 scales each lane of pair p takes (Q8_0: 8 lanes per block; Q4_0: 4,
- * 4, then 4 and 4 again). */
+/* Which of a group's 16 scales each lane of pair p takes (in element order: 8 lanes per block;
+ * else 4, 4, then 4 and 4 again). */
 static ALWAYS_INLINE __m512i pair_lanes(const int fmt, int p) {
-    const int j = 2 * p, k = 2 * p + 1;
-    if (fmt == FMT_Q8_0)
-        return _mm512_setr_epi32(j, j, j, j, j, j, j, j, k, k, k, k, k, k, k, k);
-    return _mm512_setr_epi32(j, j, j, j, k, k, k, k, j, j, j, j, k, k, k, k);
+    const __m512i first = in_order(fmt) ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                            1, 1, 1, 1)
+                                        : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
+                                                            1, 1, 1, 1);
+    return _mm512_add_epi32(first, _mm512_set1_epi32(2 * p)); /* a constant where p is */
+}
+
+/* 16 fp16 values at p, p + stride, ... (the first n where not `full`; zeros after) as fp32.
+ * 16 scalar loads: a gather takes longer on AMD Zen 4. */
+static ALWAYS_INLINE __m512 load16_f16(const uint8_t *p, int stride, const int full, int n) {
+    uint16_t h[16] __attribute__((aligned(32)));
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        uint16_t v = 0;
+        if (full || i < n) memcpy(&v, p + i * stride, 2);
+        h[i] = v;
+    }
+    return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h));
+}
+
+/* Pair p of the group at block g (blocks g + 2p and g + 2p + 1; `half`: the first only) into
+ * the tile's sums, with the group's scales. */
+static ALWAYS_INLINE void vnni_pair(const int fmt, const int R, const int C, const int half,
+                                    const uint8_t *w, int64_t row_bytes, int64_t g, int p,
+                                    const struct vnni_rows *x, __m512 scale[MAX_R][MAX_C],
+                                    __m512 acc[MAX_R][MAX_C]) {
+    const int bb = block_bytes(fmt);
+    const int64_t b = g + 2 * p;
+    const __m512i lanes = pair_lanes(fmt, p);
+    __m512i wv[MAX_C];
+    for (int c = 0; c < C; c++) {
+        const uint8_t *blk = w + c * row_bytes + b * bb;
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+        wv[c] = load_pair(fmt, half, blk);
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512i a = _mm512_loadu_si512(x->a + r * x->nbp * QK + b * QK);
+        const __m512i corr = vnni_excess(fmt)
+                                 ? _mm512_loadu_si512(x->corr + r * x->nbp * 8 + b * 8)
+                                 : _mm512_setzero_si512();
+        for (int c = 0; c < C; c++) {
+            const __m512i s = _mm512_dpbusd_epi32(corr, wv[c], a);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                        _mm512_permutexvar_ps(lanes, scale[r][c]), acc[r][c]);
+        }
+    }
 }
 
 /* One group of up to 16 blocks (g: the first; n: how many) of the tile's sums. */
 static ALWAYS_INLINE void vnni_group(const int fmt, const int R, const int C, const int full,
                                      const uint8_t *w, int64_t row_bytes, int64_t g, int n,
-                                     const struct vnni_rows *x, __m512 acc[MAX_R][MAX_C]) {
-    const int bb = (int)block_bytes(fmt);
+                                     const struct vnni_rows *x, const float *sa,
+                                     int64_t sa_st, __m512 acc[MAX_R][MAX_C]) {
+    const int bb = block_bytes(fmt);
     __m512 scale[MAX_R][MAX_C]; /* dw * da of the group's 16 blocks */
     for (int c = 0; c < C; c++) {
         const uint8_t *blk = w + c * row_bytes + g * bb;
-        /* 16 scalar loads: a gather takes longer on AMD Zen 4 */
-        uint16_t h[16] __attribute__((aligned(32)));
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) {
-            uint16_t v = 0;
-            if (full || i < n) memcpy(&v, blk + i * bb, 2);
-            h[i] = v;
-        }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h));
+        const __m512 dw = load16_f16(blk, bb, full, n);
         for (int r = 0; r < R; r++)
             scale[r][c] = _mm512_mul_ps(dw, _mm512_loadu_ps(x->da + r * x->nbp + g));
+        if (has_min(fmt)) { /* m * sa of the 16 blocks, into the lanes */
+            const __m512 mw = load16_f16(blk + 2, bb, full, n);
+            for (int r = 0; r < R; r++)
+                acc[r][c] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(sa + r * sa_st + g), acc[r][c]);
+        }
     }
     const int pairs = full ? 8 : (n + 1) / 2;
+    if (has_qh(fmt)) { /* unrolled by 8, Q5_0's loop ran ~25% slower at one row (AMD Zen 4) */
+#pragma GCC unroll 2
+        for (int p = 0; p < pairs; p++)
+            vnni_pair(fmt, R, C, !full && 2 * p + 1 == n, w, row_bytes, g, p, x, scale, acc);
+    } else {
 #pragma GCC unroll 8
-    for (int p = 0; p < pairs; p++) {
-        const int64_t b = g + 2 * p;
-        const int half = !full && 2 * p + 1 == n;
-        const __m512i lanes = pair_lanes(fmt, p);
-        __m512i wv[MAX_C];
-        for (int c = 0; c < C; c++) {
-            const uint8_t *blk = w + c * row_bytes + b * bb;
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-            wv[c] = load_pair(fmt, half, blk);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512i a = _mm512_loadu_si512(x->a + r * x->nbp * QK + b * QK);
-            const __m512i corr = _mm512_loadu_si512(x->corr + r * x->nbp * 8 + b * 8);
-            for (int c = 0; c < C; c++) {
-                const __m512i s = _mm512_dpbusd_epi32(corr, wv[c], a);
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
-                                            _mm512_permutexvar_ps(lanes, scale[r][c]), acc[r][c]);
-            }
-        }
+        for (int p = 0; p < pairs; p++)
+            vnni_pair(fmt, R, C, !full && 2 * p + 1 == n, w, row_bytes, g, p, x, scale, acc);
     }
 }
 
 /* tile() on AVX512-VNNI over the prepared rows x (R of them). */
 static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, const uint8_t *w,
                                     int64_t row_bytes, int64_t nb, const struct vnni_rows *x,
-                                    float *res, int64_t res_st) {
+                                    const float *sa, int64_t sa_st, float *res, int64_t res_st) {
     __m512 acc[MAX_R][MAX_C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     int64_t g = 0;
-    for (; g + 16 <= nb; g += 16) vnni_group(fmt, R, C, 1, w, row_bytes, g, 16, x, acc);
-    if (g < nb) vnni_group(fmt, R, C, 0, w, row_bytes, g, (int)(nb - g), x, acc);
+    for (; g + 16 <= nb; g += 16)
+        vnni_group(fmt, R, C, 1, w, row_bytes, g, 16, x, sa, sa_st, acc);
+    if (g < nb) vnni_group(fmt, R, C, 0, w, row_bytes, g, (int)(nb - g), x, sa, sa_st, acc);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) res[r * res_st + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 #endif
 
-/* tile() with R and C as constants: one inlined copy per (fmt, path, R, C) in use. */
+/* tile() with R and C as constants: one inlined copy per (fmt, path, R, C) that tile_cols
+ * makes (1 x 4 for one row of x; R x 2 for more; R x 1 for an item's last rows). The scalar
+ * path, a fallback, has one copy per format, R and C as variables: the copies cost build
+ * time (the file takes the longest to compile of all). */
 #ifdef HAVE_VNNI
 #define TILE_VNNI(fmt, path, R, C)                                                         \
     if (path == PATH_VNNI) {                                                               \
-        tile_vnni(fmt, R, C, w, row_bytes, nb, xv, res, res_st);                           \
+        tile_vnni(fmt, R, C, w, row_bytes, nb, xv, sa, sa_st, res, res_st);                \
         return;                                                                            \
     }
 #else
@@ -454,7 +598,7 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 #define TILE_CASE(fmt, path, R, C)                                                         \
     case (R) * 8 + (C):                                                                    \
         TILE_VNNI(fmt, path, R, C)                                                         \
-        tile(fmt, path, R, C, w, row_bytes, nb, qa, da, K, res, res_st);                   \
+        tile(fmt, path, R, C, w, row_bytes, nb, qa, da, sa, sa_st, K, res, res_st);        \
         return;
 #define TILE_RS(fmt, path, C) \
     TILE_CASE(fmt, path, 1, C) TILE_CASE(fmt, path, 2, C) TILE_CASE(fmt, path, 3, C) \
@@ -462,13 +606,18 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 
 static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, const uint8_t *w,
                                   int64_t row_bytes, int64_t nb, const int8_t *qa,
-                                  const float *da, const struct vnni_rows *xv, int64_t K,
-                                  float *res, int64_t res_st) {
+                                  const float *da, const float *sa, int64_t sa_st,
+                                  const struct vnni_rows *xv, int64_t K, float *res,
+                                  int64_t res_st) {
     (void)xv;
+    if (path == PATH_SCALAR) {
+        tile(fmt, PATH_SCALAR, R, C, w, row_bytes, nb, qa, da, sa, sa_st, K, res, res_st);
+        return;
+    }
     switch (R * 8 + C) {
-        TILE_RS(fmt, path, 1)
+        TILE_CASE(fmt, path, 1, 4)
         TILE_RS(fmt, path, 2)
-        TILE_RS(fmt, path, 4)
+        TILE_RS(fmt, path, 1)
         default: abort();
     }
 }
@@ -486,10 +635,11 @@ struct quant_job {
     const uint8_t *w;
     const int8_t *qa;
     const float *da;
+    const float *sa;     /* Q4_1 and Q5_1: the block sums (block_sums), rows of sa_st */
     struct vnni_rows xv; /* the VNNI path's layout of qa and da */
     const void *bias;
     void *out;
-    int64_t M, N, K, o_st, per_item;
+    int64_t M, N, K, o_st, per_item, sa_st;
     int fmt, path, dt;
 };
 
@@ -501,15 +651,18 @@ static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, co
         const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
         const int8_t *qa = j->qa + m * j->K;
         const float *da = j->da + m * nb;
+        const float *sa = j->sa ? j->sa + m * j->sa_st : NULL;
         const int64_t nbp = j->xv.nbp;
         const struct vnni_rows xv = {j->xv.a + m * nbp * QK, j->xv.corr + m * nbp * 8,
                                      j->xv.da + m * nbp, nbp};
         int64_t n = n0;
         for (; n + cmax <= n1; n += cmax)
-            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, &xv, j->K,
+            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st, &xv,
+                    j->K,
                     res + m * cols + n - n0, cols);
         for (; n < n1; n++) /* the item's last rows, one at a time */
-            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, &xv, j->K,
+            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st, &xv,
+                    j->K,
                     res + m * cols + n - n0, cols);
     }
 }
@@ -519,15 +672,22 @@ static void quant_item(const void *ctx, int64_t item, const struct ae_commit *co
     const int64_t n0 = item * j->per_item;
     const int64_t n1 = n0 + j->per_item < j->N ? n0 + j->per_item : j->N, cols = n1 - n0;
     float *res = ae_thread_scratch((size_t)(j->M * cols + cols));
-    if (j->fmt == FMT_Q8_0) {
-        if (j->path == PATH_VNNI) item_rows(j, FMT_Q8_0, PATH_VNNI, n0, n1, res);
-        else if (j->path == PATH_AVX2) item_rows(j, FMT_Q8_0, PATH_AVX2, n0, n1, res);
-        else item_rows(j, FMT_Q8_0, PATH_SCALAR, n0, n1, res);
-    } else {
-        if (j->path == PATH_VNNI) item_rows(j, FMT_Q4_0, PATH_VNNI, n0, n1, res);
-        else if (j->path == PATH_AVX2) item_rows(j, FMT_Q4_0, PATH_AVX2, n0, n1, res);
-        else item_rows(j, FMT_Q4_0, PATH_SCALAR, n0, n1, res);
+    /* one inlined copy of the kernels per format and path */
+#define ITEM_ROWS(fmt)                                                                      \
+    case fmt:                                                                               \
+        if (j->path == PATH_VNNI) item_rows(j, fmt, PATH_VNNI, n0, n1, res);                \
+        else if (j->path == PATH_AVX2) item_rows(j, fmt, PATH_AVX2, n0, n1, res);           \
+        else item_rows(j, fmt, PATH_SCALAR, n0, n1, res);                                   \
+        break;
+    switch (j->fmt) {
+        ITEM_ROWS(FMT_Q8_0)
+        ITEM_ROWS(FMT_Q4_0)
+        ITEM_ROWS(FMT_Q4_1)
+        ITEM_ROWS(FMT_Q5_0)
+        ITEM_ROWS(FMT_Q5_1)
+        default: abort();
     }
+#undef ITEM_ROWS
     if (!ae_commit_begin(commit)) return; /* another thread committed this item */
     float *bias = res + j->M * cols;
     if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
@@ -550,7 +710,10 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
      * caller holds the pool (a late helper may read it after this call), else fresh memory */
     const int path = current_path();
     const size_t q_bytes = (size_t)(M * K), d_bytes = (size_t)(M * nb) * sizeof(float);
-    size_t bytes = q_bytes + d_bytes, v_off = 0;
+    /* and, for Q4_1 and Q5_1, the block sums in rows padded to 16 blocks */
+    const int64_t sa_st = round16(nb);
+    const size_t s_bytes = has_min(fmt) ? (size_t)(M * sa_st) * sizeof(float) : 0;
+    size_t bytes = q_bytes + d_bytes + s_bytes, v_off = 0;
 #ifdef HAVE_VNNI
     if (path == PATH_VNNI) { /* and the VNNI path's layout after them, 64-byte aligned */
         v_off = (bytes + 63) & ~(size_t)63;
@@ -566,6 +729,11 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     int8_t *qa = (int8_t *)buf;
     float *da = (float *)(buf + q_bytes); /* M * K is a multiple of 32: aligned for floats */
     ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, pooled ? 1 : num_threads);
+    float *sa = NULL;
+    if (has_min(fmt)) {
+        sa = (float *)(buf + q_bytes + d_bytes);
+        block_sums(qa, da, M, nb, sa_st, sa);
+    }
     int64_t per_item = ROWS_PER_ITEM;
     while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
     struct vnni_rows xv = {0};
@@ -577,8 +745,8 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     }
 #endif
     (void)v_off;
-    const struct quant_job job = {w, qa, da, xv, bias, out, M, N, K, o_st, per_item, fmt, path,
-                                  dt};
+    const struct quant_job job = {w,    qa, da, sa, xv,       bias,  out, M,
+                                  N,    K,  o_st, per_item, sa_st, fmt, path, dt};
     ae_linear_run_items(pooled, quant_item, &job, sizeof job, (N + per_item - 1) / per_item,
                         num_threads);
     if (pooled) ae_pool_release();
@@ -589,7 +757,8 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
 /* Bit f set for each format code f (quant_formats.FORMATS) that ae_linear_quant runs: this
  * file's legacy formats and quant_kquants.c's. */
 int ae_quant_formats(void) {
-    return (1 << FMT_Q8_0) | (1 << FMT_Q4_0) | ae_kquant_formats();
+    return (1 << FMT_Q8_0) | (1 << FMT_Q4_0) | (1 << FMT_Q4_1) | (1 << FMT_Q5_0) |
+           (1 << FMT_Q5_1) | ae_kquant_formats();
 }
 
 /*
@@ -606,6 +775,6 @@ int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, con
                     int num_threads) {
     if (fmt >= AE_QUANT_Q4_K)
         return ae_linear_kquant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
-    if (fmt != FMT_Q8_0 && fmt != FMT_Q4_0) return -3;
+    if (fmt < 0 || fmt >= FMT_END) return -3;
     return linear_quant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
 }

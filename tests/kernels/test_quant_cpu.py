@@ -1,6 +1,7 @@
-"""The Q8_0 / Q4_0 linear kernels (kernels/quant_cpu.py, csrc/quant_legacy.c): ggml's block
-formats bit for bit, the activation quantization, and products on awkward shapes on every CPU
-path this build has, against the dequantize-then-fp32 reference."""
+"""The legacy formats' linear kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; kernels/quant_cpu.py,
+csrc/quant_legacy.c): ggml's block formats bit for bit, the activation quantization, and
+products on awkward shapes on every CPU path this build has, against the dequantize-then-fp32
+reference."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from asyncengine.kernels import cpu_native, quant_cpu
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.quant_cpu import (
+    LEGACY,
     Q4_0,
     Q8_0,
     QK,
@@ -26,6 +28,7 @@ from asyncengine.kernels.quant_cpu import (
     quantize_rows_q8_torch,
     quantize_weight,
 )
+from asyncengine.kernels.quant_formats import random_blocks
 
 pytestmark = pytest.mark.timeout(120)
 native = pytest.mark.skipif(load_native() is None, reason=unavailable_reason())
@@ -40,7 +43,7 @@ def _best_path_after() -> Iterator[None]:
         quant_cpu.set_path(None)
 
 
-@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+@pytest.mark.parametrize("qtype", LEGACY)
 def test_weight_blocks_are_ggufs_bytes(qtype: str) -> None:
     gguf_quants = pytest.importorskip("gguf.quants")
     import gguf
@@ -50,7 +53,9 @@ def test_weight_blocks_are_ggufs_bytes(qtype: str) -> None:
     w[0, :32] = 0  # a zero block: scale 0
     w[1, 5] = -3.0  # a block whose largest magnitude is negative
     w[2, 40] = 3.0
-    kind = {Q8_0: gguf.GGMLQuantizationType.Q8_0, Q4_0: gguf.GGMLQuantizationType.Q4_0}[qtype]
+    w[3, 64:96] = 0.7  # one value: Q4_1 / Q5_1 scale 0 with a minimum
+    w[4, 96:128] = torch.linspace(-1, 1, 32)  # values on the steps (ties in the rounding)
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
     theirs = torch.from_numpy(gguf_quants.quantize(w.numpy(), kind))
     assert torch.equal(quantize_weight(w, qtype), theirs)
     ref = torch.from_numpy(gguf_quants.dequantize(theirs.numpy(), kind))
@@ -95,34 +100,49 @@ def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tenso
     return out, xq.abs() @ w.abs().T
 
 
-# (M, N, K): K a multiple of 32 but not of 256; N no multiple of the tiles (4) or of the items
-# (16); M across the pool (<= 8 rows) and OpenMP, and through the row tiles' remainders. The
-# VNNI path takes blocks 16 at a time, in pairs: 16 blocks (512) with no remainder, 47 (1504)
-# with an odd one.
+# (M, N, K): K a multiple of 32 but not of 256 (one block: 32); N no multiple of the tiles (4,
+# 2) or of the items (16); M across the pool (<= 8 rows) and OpenMP, and through the row tiles'
+# remainders (5, 17). The VNNI path takes blocks 16 at a time, in pairs: 16 blocks (512) with no
+# remainder, 33 (1056) and 47 (1504) with an odd one, 1 and 3 (32, 96) with no full group.
 SHAPES = [
     (1, 37, 96),
     (1, 300, 256),
     (1, 20, 512),
     (2, 64, 1056),
     (3, 41, 1504),
+    (5, 23, 32),
     (7, 33, 160),
+    (17, 13, 1056),
     (64, 19, 288),
 ]
 
 
+def _inputs(
+    shape: tuple[int, int, int], dtype: torch.dtype, qtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x, the quantized weight and a bias (odd M only) for a product test, with zero blocks
+    in both (scale 0: for Q4_1 / Q5_1 also m 0) and a constant weight block (scale 0, m not)."""
+    m, n, k = shape
+    torch.manual_seed(m * n + k)
+    x = torch.randn(m, k)
+    x[0, k - 32 :] = 0
+    w = torch.randn(n, k) * 0.05
+    w[0, :32] = 0
+    w[n - 1, k - 32 :] = 0.03
+    bias = (torch.randn(n) * 0.1).to(dtype) if m % 2 else None
+    return x.to(dtype), quantize_weight(w, qtype), bias
+
+
 @native
 @pytest.mark.parametrize("path", PATHS_HERE)
-@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+@pytest.mark.parametrize("qtype", LEGACY)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_products_match_the_dequantized_reference(
     shape: tuple[int, int, int], dtype: torch.dtype, qtype: str, path: str
 ) -> None:
-    m, n, k = shape
-    torch.manual_seed(m * n + k)
-    x = torch.randn(m, k).to(dtype)
-    qweight = quantize_weight(torch.randn(n, k) * 0.05, qtype)
-    bias = (torch.randn(n) * 0.1).to(dtype) if m % 2 else None
+    m, n, _ = shape
+    x, qweight, bias = _inputs(shape, dtype, qtype)
     assert quant_cpu.set_path(path) == path
     out = linear_quant_cpu(x, qweight, qtype, bias)
     assert out.dtype == dtype and out.shape == (m, n)
@@ -149,7 +169,45 @@ def test_products_match_the_dequantized_reference(
 
 
 @native
-@pytest.mark.parametrize("qtype", [Q8_0, Q4_0])
+@pytest.mark.parametrize("path", PATHS_HERE)
+@pytest.mark.parametrize("qtype", LEGACY)
+@pytest.mark.parametrize("shape", [(1, 37, 96), (5, 23, 32), (17, 13, 1056)], ids=str)
+def test_fp16_products(shape: tuple[int, int, int], qtype: str, path: str) -> None:
+    x, qweight, bias = _inputs(shape, torch.float16, qtype)
+    quant_cpu.set_path(path)
+    out = linear_quant_cpu(x, qweight, qtype, bias)
+    assert out.dtype == torch.float16 and out.shape == (shape[0], shape[1])
+    exact, magnitude = _exact(x, qweight, qtype, bias)
+    rounding = torch.finfo(torch.float16).eps * exact.abs()
+    assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude + rounding)
+
+
+@native
+@pytest.mark.parametrize("path", PATHS_HERE)
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_random_blocks_give_the_torch_references_numbers(qtype: str, path: str) -> None:
+    # Blocks of random bytes (every nibble and fifth bit pattern, large minimums against small
+    # scales), not what a quantizer writes: the kernel and linear_quant_torch still agree up to
+    # the order of the fp32 sums.
+    generator = torch.Generator().manual_seed(7)
+    quant_cpu.set_path(path)
+    for m, n, k in [(1, 45, 1056), (6, 21, 480)]:
+        qweight = random_blocks(qtype, n, k, generator)
+        x = torch.randn(m, k, generator=generator)
+        out = linear_quant_cpu(x, qweight, qtype)
+        ref = linear_quant_torch(x, qweight, qtype)
+        exact, magnitude = _exact(x, qweight, qtype, None)
+        assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+        assert torch.all((out.double() - ref.double()).abs() <= 2.0**-15 * magnitude)
+
+
+@native
+def test_the_legacy_formats_run_natively() -> None:
+    assert set(LEGACY) <= set(quant_cpu.native_formats())
+
+
+@native
+@pytest.mark.parametrize("qtype", LEGACY)
 def test_paths_agree_on_a_decode_sized_layer(qtype: str) -> None:
     torch.manual_seed(3)
     x = torch.randn(3, 1024)  # strided rows: a view of every other row of a wider batch
@@ -206,7 +264,7 @@ def test_portable_build_computes_the_same(tmp_path: Path, monkeypatch: pytest.Mo
         assert quant_cpu.current_path() == "avx2"
         torch.manual_seed(5)
         x = torch.randn(3, 160)
-        for qtype in (Q8_0, Q4_0):
+        for qtype in LEGACY:
             qweight = quantize_weight(torch.randn(21, 160) * 0.05, qtype)
             exact, magnitude = _exact(x, qweight, qtype, None)
             for path in ("scalar", "avx2"):
