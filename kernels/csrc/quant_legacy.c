@@ -667,27 +667,40 @@ static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, co
     }
 }
 
+/* item_rows() for each format and path as a function of its own: inlined all into quant_item,
+ * GCC took minutes to compile the one huge function (over 10 under the sanitizers). */
+#define ITEM_ROWS_FN(fmt, path)                                                             \
+    static __attribute__((noinline)) void item_rows_##fmt##_##path(                          \
+        const struct quant_job *j, int64_t n0, int64_t n1, float *res) {                      \
+        item_rows(j, fmt, path, n0, n1, res);                                               \
+    }
+#define ITEM_ROWS_FNS(fmt) \
+    ITEM_ROWS_FN(fmt, PATH_SCALAR) ITEM_ROWS_FN(fmt, PATH_AVX2) ITEM_ROWS_FN(fmt, PATH_VNNI)
+ITEM_ROWS_FNS(FMT_Q8_0)
+ITEM_ROWS_FNS(FMT_Q4_0)
+ITEM_ROWS_FNS(FMT_Q4_1)
+ITEM_ROWS_FNS(FMT_Q5_0)
+ITEM_ROWS_FNS(FMT_Q5_1)
+#define ITEM_ROWS_CASE(fmt)                                                                  \
+    case fmt:                                                                                \
+        if (j->path == PATH_VNNI) item_rows_##fmt##_PATH_VNNI(j, n0, n1, res);               \
+        else if (j->path == PATH_AVX2) item_rows_##fmt##_PATH_AVX2(j, n0, n1, res);          \
+        else item_rows_##fmt##_PATH_SCALAR(j, n0, n1, res);                                  \
+        break;
+
 static void quant_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
     const struct quant_job *j = ctx;
     const int64_t n0 = item * j->per_item;
     const int64_t n1 = n0 + j->per_item < j->N ? n0 + j->per_item : j->N, cols = n1 - n0;
     float *res = ae_thread_scratch((size_t)(j->M * cols + cols));
-    /* one inlined copy of the kernels per format and path */
-#define ITEM_ROWS(fmt)                                                                      \
-    case fmt:                                                                               \
-        if (j->path == PATH_VNNI) item_rows(j, fmt, PATH_VNNI, n0, n1, res);                \
-        else if (j->path == PATH_AVX2) item_rows(j, fmt, PATH_AVX2, n0, n1, res);           \
-        else item_rows(j, fmt, PATH_SCALAR, n0, n1, res);                                   \
-        break;
     switch (j->fmt) {
-        ITEM_ROWS(FMT_Q8_0)
-        ITEM_ROWS(FMT_Q4_0)
-        ITEM_ROWS(FMT_Q4_1)
-        ITEM_ROWS(FMT_Q5_0)
-        ITEM_ROWS(FMT_Q5_1)
+        ITEM_ROWS_CASE(FMT_Q8_0)
+        ITEM_ROWS_CASE(FMT_Q4_0)
+        ITEM_ROWS_CASE(FMT_Q4_1)
+        ITEM_ROWS_CASE(FMT_Q5_0)
+        ITEM_ROWS_CASE(FMT_Q5_1)
         default: abort();
     }
-#undef ITEM_ROWS
     if (!ae_commit_begin(commit)) return; /* another thread committed this item */
     float *bias = res + j->M * cols;
     if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
