@@ -554,15 +554,16 @@ static ALWAYS_INLINE void vnni_group(const int fmt, const int R, const int C, co
                 acc[r][c] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(sa + r * sa_st + g), acc[r][c]);
         }
     }
-    const int pairs = full ? 8 : (n + 1) / 2;
-    if (has_qh(fmt)) { /* unrolled by 8, Q5_0's loop ran ~25% slower at one row (AMD Zen 4) */
+    if (!full) { /* the row's last blocks, once per row: not unrolled (build time) */
+#pragma GCC unroll 1
+        for (int p = 0; p < (n + 1) / 2; p++)
+            vnni_pair(fmt, R, C, 2 * p + 1 == n, w, row_bytes, g, p, x, scale, acc);
+    } else if (has_qh(fmt)) { /* unrolled by 8, Q5_0's loop ran ~25% slower at one row (Zen 4) */
 #pragma GCC unroll 2
-        for (int p = 0; p < pairs; p++)
-            vnni_pair(fmt, R, C, !full && 2 * p + 1 == n, w, row_bytes, g, p, x, scale, acc);
+        for (int p = 0; p < 8; p++) vnni_pair(fmt, R, C, 0, w, row_bytes, g, p, x, scale, acc);
     } else {
 #pragma GCC unroll 8
-        for (int p = 0; p < pairs; p++)
-            vnni_pair(fmt, R, C, !full && 2 * p + 1 == n, w, row_bytes, g, p, x, scale, acc);
+        for (int p = 0; p < 8; p++) vnni_pair(fmt, R, C, 0, w, row_bytes, g, p, x, scale, acc);
     }
 }
 
