@@ -95,7 +95,7 @@ def main() -> int:
                 med = {name: statistics.median(t) for name, t in times.items()}
                 for name, (nbytes, _) in kinds.items():
                     print(f"| {n}x{k} | {rows} | {name} | {med[name]:.3f} | "
-                          f"{nbytes / med[name] / 1e6:.0f} | "
+                          f"{nbytes / med[name] / 1e6:.1f} | "
                           f"{med['bf16'] / med[name]:.2f}x |")  # fmt: skip
     return 0
 
