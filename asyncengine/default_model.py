@@ -16,6 +16,7 @@ transformers' own GGUF reader dequantises (`gguf` is the only extra dependency).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -65,6 +66,7 @@ def default_model_dir(*, convert_in_child: bool = False) -> Path:
     target = cache_dir() / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
     if (target / _MARKER).is_file():
         _add_sampling_defaults(target)  # a folder converted before they were written
+        _split_digits(target)  # and one converted before its tokenizer split digits
         return target
     if convert_in_child:
         _convert_in_child()
@@ -82,6 +84,16 @@ def _convert_in_child() -> None:
             f"converting the default model failed (exit status {proc.returncode}; "
             "its error is printed above)"
         )
+
+
+def _split_digits(folder: Path) -> None:
+    """SmolLM2's tokenizer splits every digit off first (its GGUF file says `pre` "smollm"),
+    which transformers' GGUF converter leaves out: put it back (split_digits_first)."""
+    from asyncengine.gguf.tokenizer import split_digits_first
+
+    # a read-only shared cache: the tokenizer stays as converted
+    with contextlib.suppress(OSError, ValueError):
+        split_digits_first(folder / "tokenizer.json")
 
 
 def _add_sampling_defaults(folder: Path) -> None:
@@ -191,3 +203,4 @@ def _write_hf_folder(gguf_path: Path, out: Path) -> None:
         )
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
+    _split_digits(out)

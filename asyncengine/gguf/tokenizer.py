@@ -25,7 +25,10 @@ from asyncengine.gguf.errors import GGUFError
 # Llama 3, Qwen and SmolLM; SentencePiece BPE, as in Llama 2 and Mistral).
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 _MARKER = ".asyncengine-tokenizer"  # written last: its presence means the folder is complete
-_FORMAT = 1  # bump to rebuild cached folders after a change in what is written
+_FORMAT = 2  # bump to rebuild cached folders after a change in what is written
+# tokenizer.ggml.pre values for which llama.cpp splits every digit off on its own before the
+# byte-level regex ("\\p{N}" first); transformers' converter writes plain ByteLevel for them.
+DIGIT_SPLIT_PRE = ("smollm",)
 
 # tokenizer.<key> → the key transformers' converter reads (GGUF_TOKENIZER_MAPPING).
 _TOKENIZER_KEYS = {
@@ -168,3 +171,24 @@ def _write_tokenizer(metadata: dict[str, Any], out: Path) -> None:
     if isinstance(context, int):
         tokenizer.model_max_length = context
     tokenizer.save_pretrained(str(out))
+    if metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+        split_digits_first(out / "tokenizer.json")
+
+
+def split_digits_first(tokenizer_json: Path) -> bool:
+    """Make a byte-level tokenizer.json split every digit off on its own before its ByteLevel
+    pre-tokenizer, as llama.cpp's "smollm" pre-tokenizer does (and SmolLM2's own tokenizer):
+    "  12" is then "  ", "1", "2" and not " ", " 1", "2". Returns whether the file changed
+    (False where it splits digits already or is not byte-level)."""
+    data = json.loads(tokenizer_json.read_text())
+    pre = data.get("pre_tokenizer")
+    if not isinstance(pre, dict) or pre.get("type") != "ByteLevel":
+        return False
+    data["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, pre],
+    }
+    tmp = tokenizer_json.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, ensure_ascii=False))
+    os.replace(tmp, tokenizer_json)
+    return True

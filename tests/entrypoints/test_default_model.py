@@ -94,3 +94,12 @@ def test_llm_and_async_llm_take_default(tmp_path: Path, monkeypatch: pytest.Monk
     (tmp_path / "default").mkdir()
     with pytest.raises(ValueError, match=r"has no config\.json"):
         EngineConfig.from_kwargs("default", device="cpu")
+
+
+@needs_default_model
+def test_the_default_models_tokenizer_splits_digits_first() -> None:
+    """SmolLM2's pre-tokenizer (GGUF `pre` "smollm"): digits one by one, as llama.cpp and
+    SmolLM2's own tokenizer; a folder converted before that was written is patched."""
+    folder = default_model.default_model_dir()
+    spec = json.loads((folder / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert spec["pretokenizers"][0] == {"type": "Digits", "individual_digits": True}

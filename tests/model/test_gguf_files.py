@@ -139,6 +139,7 @@ def write_tiny_gguf(
     file_arch: str | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, int]] | None = None,
     type_overrides: dict[str, int] | None = None,
+    tokenizer_pre: str = "qwen2",
 ) -> TinyGGUF:
     """A tiny random model of `arch` as llama.cpp would write it: 2-D weights of
     `weight_type` (F32, F16, BF16 or a type gguf.quants.quantize knows), norms and biases F32.
@@ -167,7 +168,7 @@ def write_tiny_gguf(
     w.add_vocab_size(len(tokens))
     if tokenizer:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre(tokenizer_pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

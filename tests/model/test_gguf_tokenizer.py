@@ -119,3 +119,29 @@ def test_smollm2_tokenizer_matches_transformers(tmp_path: Path) -> None:
         messages, add_generation_prompt=True, tokenize=False
     ) == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ours.eos_token == "<|im_end|>"
+
+
+def test_smollm_pre_tokenizer_splits_digits_first(tmp_path: Path) -> None:
+    """tokenizer.ggml.pre "smollm": llama.cpp splits every digit off before the byte-level
+    regex; transformers' converter writes plain ByteLevel, so the folder adds the split."""
+    import json
+
+    for pre, splits in (("smollm", True), ("qwen2", False)):
+        tiny = write_tiny_gguf(tmp_path / f"{pre}.gguf", "llama", tokenizer_pre=pre)
+        folder = read_gguf(tiny.path).tokenizer_dir(tmp_path / "cache")
+        spec = json.loads((folder / "tokenizer.json").read_text())["pre_tokenizer"]
+        if splits:
+            assert spec["type"] == "Sequence"
+            assert spec["pretokenizers"][0] == {"type": "Digits", "individual_digits": True}
+            assert spec["pretokenizers"][1]["type"] == "ByteLevel"
+        else:
+            assert "Digits" not in json.dumps(spec)
+        ours = Tokenizer(folder)
+        assert ours.decode(ours.encode("ab 12  3"), skip_special_tokens=False) == "ab 12  3"
+
+
+def test_smollm2_splits_digits_as_llama_cpp_does(tmp_path: Path) -> None:
+    ours = Tokenizer(read_gguf(_smollm2_gguf()).tokenizer_dir(tmp_path))
+    ids = ours.encode("x   12 and 2025")
+    pieces = [ours.decode([i], skip_special_tokens=False) for i in ids]
+    assert pieces == ["x", "   ", "1", "2", " and", " ", "2", "0", "2", "5"]
