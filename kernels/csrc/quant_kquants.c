@@ -43,12 +43,14 @@
  *   AVX2: one ymm (32 values) at a time: vpmaddubsw (unsigned q by signed a, pairs at most
  *     2 * 63 * 127: no saturation), vpmaddwd by the integer scales (Q6_K: the two groups'
  *     scales in the two halves), converted and scaled by d * da in one FMA.
- *   Scalar: plain loops over the unpacked values (any CPU; a build without AVX2).
+ *   Scalar: plain loops over the unpacked values, Q6_K's (q - 32) exact in int32 (any CPU;
+ *     a build without AVX2); one copy per format with R and C at run time.
  *
  * Work: as quant_legacy.c: items of ROWS_PER_ITEM weight rows on linear.c's pool for up to
  * AE_POOL_MAX_ROWS rows of x, else on OpenMP; within an item, tiles of up to 4 rows of x by
  * C weight rows (4 for one row of x, 2 for more), each super-block unpacked once per tile and
- * used for all its rows of x.
+ * used for all its rows of x. Only the tile shapes item_rows asks for are specialised (see
+ * tile_rc): each copy costs build time, a lot of it under the sanitizers.
  */
 
 #include <math.h>
@@ -466,9 +468,20 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 
 /* ---- tiles with constant R, C ---- */
 
-static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const int C,
-                               const uint8_t *w, int64_t row_bytes, int64_t nsb,
-                               const struct kq_rows *x, float *res, int64_t res_st) {
+/* The scalar tile, R and C at run time: one copy per format (it runs where AVX2 is missing,
+ * and in tests; specialising it would triple the file's build time for nothing). */
+static __attribute__((noinline)) void tile_scalar_any(const int fmt, int R, int C,
+                                                      const uint8_t *w, int64_t row_bytes,
+                                                      int64_t nsb, const struct kq_rows *x,
+                                                      float *res, int64_t res_st) {
+    if (fmt == FMT_Q4_K) tile_scalar(FMT_Q4_K, R, C, w, row_bytes, nsb, x, res, res_st);
+    else if (fmt == FMT_Q5_K) tile_scalar(FMT_Q5_K, R, C, w, row_bytes, nsb, x, res, res_st);
+    else tile_scalar(FMT_Q6_K, R, C, w, row_bytes, nsb, x, res, res_st);
+}
+
+static ALWAYS_INLINE void tile_simd(const int fmt, const int path, const int R, const int C,
+                                    const uint8_t *w, int64_t row_bytes, int64_t nsb,
+                                    const struct kq_rows *x, float *res, int64_t res_st) {
 #ifdef HAVE_VNNI
     if (path == PATH_VNNI) {
         tile_vnni(fmt, R, C, w, row_bytes, nsb, x, res, res_st);
@@ -476,28 +489,33 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
     }
 #endif
 #ifdef HAVE_AVX2
-    if (path != PATH_SCALAR) {
-        tile_avx2(fmt, R, C, w, row_bytes, nsb, x, res, res_st);
-        return;
-    }
-#endif
     (void)path;
-    tile_scalar(fmt, R, C, w, row_bytes, nsb, x, res, res_st);
+    tile_avx2(fmt, R, C, w, row_bytes, nsb, x, res, res_st);
+#else
+    (void)fmt, (void)path, (void)R, (void)C, (void)w, (void)row_bytes, (void)nsb, (void)x;
+    (void)res, (void)res_st;
+    abort(); /* no SIMD path in this build: never chosen */
+#endif
 }
 
-#define TILE_CASE(R, C)                                                \
-    case (R) * 8 + (C):                                                \
-        tile(fmt, path, R, C, w, row_bytes, nsb, x, res, res_st);     \
+/* The SIMD tiles item_rows asks for (tile_cols): 1 x 4 for one row of x; R x 2 for more; R x 1
+ * for an item's last weight rows. One inlined copy of each per (fmt, path). */
+#define TILE_CASE(R, C)                                                    \
+    case (R) * 8 + (C):                                                    \
+        tile_simd(fmt, path, R, C, w, row_bytes, nsb, x, res, res_st);     \
         return;
-#define TILE_RS(C) TILE_CASE(1, C) TILE_CASE(2, C) TILE_CASE(3, C) TILE_CASE(4, C)
 
 static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, const uint8_t *w,
                                   int64_t row_bytes, int64_t nsb, const struct kq_rows *x,
                                   float *res, int64_t res_st) {
+    if (path == PATH_SCALAR) {
+        tile_scalar_any(fmt, R, C, w, row_bytes, nsb, x, res, res_st);
+        return;
+    }
     switch (R * 8 + C) {
-        TILE_RS(1)
-        TILE_RS(2)
-        TILE_RS(4)
+        TILE_CASE(1, 4)
+        TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+        TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
         default: abort();
     }
 }
