@@ -6,7 +6,9 @@ The reference is transformers in fp32 over the same weights (the file's blocks d
 rows in HF order). For quantized files the engine quantizes each linear layer's input rows to
 int8 blocks of 32 (as llama.cpp does), so the reference does the same to every linear layer's
 input (`quantize_rows_q8_torch`, bit for bit the kernels' activation rounding); the two then
-differ only in the order of fp32 sums, and greedy tokens are equal.
+differ only in the order of fp32 sums. Greedy tokens are equal, except that at a near-tie of
+the reference's two best tokens (the int8 rounding of a row can turn a last-bit difference
+into a ~1e-3 gap) the engine may take the other one; the comparison ends there.
 """
 
 from __future__ import annotations
@@ -67,6 +69,37 @@ def _reference(
     """transformers' greedy tokens over the file's weights dequantized to fp32; with
     `quantized`, every linear layer's input rows rounded as the int8 kernels round them;
     with `freq_factors`, the rotary inverse frequencies divided by them."""
+    model = _reference_model(path, tiny, quantized, freq_factors)
+    return greedy_generate(model, prompts, NEW_TOKENS)
+
+
+# A reference step whose two best tokens' logprobs are closer than this is a near-tie: the
+# int8 rounding of activations turns fp32 sum-order differences into gaps of ~1e-3 there
+# (measured on these tiny random models), so the engine may take either token.
+NEAR_TIE = 0.02
+
+
+def _assert_greedy_matches(got: list[list[int]], model: Any, prompts: list[list[int]]) -> None:
+    """The engine's greedy tokens equal the reference's, or part from them first at a step
+    where the reference's top two tokens are a near-tie (after which nothing is compared)."""
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            for step, token in enumerate(tokens):
+                logprobs = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+                top = logprobs.topk(2)
+                best = int(top.indices[0])
+                if token != best:
+                    gap = float(top.values[0] - logprobs[token])
+                    assert gap < NEAR_TIE, (prompt, step, token, best, gap)
+                    break
+                ids = torch.cat([ids, torch.tensor([[best]])], dim=1)
+
+
+def _reference_model(
+    path: Path, tiny: Any, quantized: bool, freq_factors: np.ndarray | None = None
+) -> Any:
+    """The transformers model `_reference` runs (see there)."""
     import transformers
 
     from asyncengine.kernels.quant_cpu import dequantize_rows_q8, quantize_rows_q8_torch
@@ -94,7 +127,7 @@ def _reference(
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_pre_hook(round_input)
-    return greedy_generate(model, prompts, NEW_TOKENS)
+    return model
 
 
 def _assert_free(llm: LLM) -> None:
@@ -130,13 +163,16 @@ K_SHAPES = Shapes(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64
 
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
-def test_greedy_tokens_equal_the_dequantized_reference(tmp_path: Path, arch: str, qtype: Q) -> None:
+def test_greedy_tokens_follow_the_dequantized_reference(
+    tmp_path: Path, arch: str, qtype: Q
+) -> None:
     shapes = K_SHAPES if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else None
     tiny = write_tiny_gguf(
         tmp_path / f"{arch}.gguf", arch, weight_type=qtype, seed=3, shapes=shapes
     )
-    want = _reference(tiny.path, tiny, PROMPTS, quantized=qtype not in (Q.F32, Q.F16, Q.BF16))
-    assert _greedy(tiny.path) == want
+    quantized = qtype not in (Q.F32, Q.F16, Q.BF16)
+    model = _reference_model(tiny.path, tiny, quantized)
+    _assert_greedy_matches(_greedy(tiny.path), model, PROMPTS)
 
 
 def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:
@@ -148,7 +184,7 @@ def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:
         shapes=K_SHAPES, seed=5, type_overrides=mix,
     )  # fmt: skip
     assert {tiny.types[n] for n in tiny.weights if n.endswith("proj.weight")} == {Q.Q4_K, Q.Q6_K}
-    assert _greedy(tiny.path) == _reference(tiny.path, tiny, PROMPTS, quantized=True)
+    _assert_greedy_matches(_greedy(tiny.path), _reference_model(tiny.path, tiny, True), PROMPTS)
 
 
 def test_quantized_weights_stay_quantized_and_tied_lm_head_gives_logits(tmp_path: Path) -> None:
