@@ -33,6 +33,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--pooling", default="mean", choices=("last", "mean", "cls"))
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the engine's step budget"
+    )
     args = parser.parse_args()
 
     import torch
@@ -44,7 +47,7 @@ def main() -> int:
     folder = resolve_model(args.model)
     threads = torch.get_num_threads()
     # both on the same threads: the engine's own governor would lend cores away under load
-    llm = LLM(folder, device="cpu", dtype=args.dtype, num_threads=threads)
+    llm = LLM(folder, device="cpu", dtype=args.dtype, num_threads=threads, **_engine_kwargs(args))
     vocab = llm.config.model_config.vocab_size
     rng = random.Random(0)
     prompts = [
@@ -80,6 +83,12 @@ def main() -> int:
     print(f"asyncengine / transformers speed-up: {speedup:.2f}x")
     llm.shutdown()
     return 0
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    if args.max_num_batched_tokens is None:
+        return {}
+    return {"max_num_batched_tokens": args.max_num_batched_tokens}
 
 
 if __name__ == "__main__":
