@@ -199,6 +199,18 @@ def _packed_k(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     return packed_k if torch.equal(values[where], want) else None
 
 
+def quiesce_pool(timeout_ms: int = 1000) -> None:
+    """Wait until no work-pool helper is inside an item (csrc/pool.c: one preempted inside an
+    item may run on after its call returned, reading the call's inputs), where the native
+    library is loaded: before freeing memory that products read (weights at shutdown, tests'
+    tensors)."""
+    if load_native.cache_info().currsize == 0:
+        return  # never loaded in this process: no helper exists
+    lib = load_native()
+    if lib is not None:
+        lib.pool_quiesce(timeout_ms)
+
+
 def delay_pool_helpers(ns: int) -> int:
     """For tests: from now on the kernels' pool helpers (csrc/pool.c) sleep `ns` nanoseconds
     after claiming an item, as a preempted thread would (0: not at all). Returns how many items

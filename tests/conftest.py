@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -119,6 +120,11 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
         yield
     finally:
         stop.set()
+        # The test's tensors are freed next: no native pool helper may still read them
+        # (kernels/csrc/pool.c; the sanitizer run reports such a read as a use after free).
+        native = sys.modules.get("asyncengine.kernels.linear_cpu")
+        if native is not None:
+            native.quiesce_pool()
 
 
 def _terminal_fd(config: pytest.Config) -> int | None:

@@ -70,3 +70,4 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
+        self.worker.shutdown()

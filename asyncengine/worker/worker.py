@@ -115,6 +115,13 @@ class Worker:
         bitmask when it is computed beside the forward pass."""
         return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
 
+    def shutdown(self) -> None:
+        """Before the model's memory goes: wait for the native work pool's helpers to leave
+        their items (one preempted inside an item may still read its weights)."""
+        from asyncengine.kernels.linear_cpu import quiesce_pool
+
+        quiesce_pool()
+
     def check_health(self) -> None:
         return None
 

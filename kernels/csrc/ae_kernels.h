@@ -97,6 +97,9 @@ int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t 
                                  int64_t inter);
 
 int ae_linear_bf16_fast(void);
+/* pool.c: wait (up to timeout_ms) until no pool helper is inside an item (1), else 0; before
+ * freeing what pool jobs read (see pool.c) */
+int ae_pool_quiesce(int timeout_ms);
 /* pool.c, for tests: helpers sleep `ns` after claiming an item, as if preempted there; returns
  * how many items the calling thread took over from helpers since the last call */
 int64_t ae_pool_test_delay_helpers(int64_t ns);

@@ -80,6 +80,8 @@ static _Atomic uint64_t item_state[AE_POOL_MAX_ITEMS];
 /* Tests: how long each helper sleeps after it claims an item (ae_pool_test_delay_helpers). */
 static _Atomic int64_t test_helper_delay_ns;
 static _Atomic int64_t items_taken_over; /* items the master computed after a helper claimed them */
+/* Helpers inside an item now (ae_pool_quiesce waits for none). */
+static _Atomic int64_t helpers_in_items;
 
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cond = PTHREAD_COND_INITIALIZER;
@@ -127,7 +129,15 @@ static int64_t run_items(uint64_t job, ae_pool_fn fn, const void *ctx, int64_t n
     int64_t ran = 0;
     for (int k = 0; k < team; k++) {
         const int u = (me + k) % team;
-        for (int64_t item; (item = claim(job, u, n, team)) >= 0;) {
+        for (;;) {
+            /* A helper counts itself in before it claims: ae_pool_quiesce never misses one
+             * that holds an item it has not started yet. */
+            if (me != 0) atomic_fetch_add(&helpers_in_items, 1);
+            const int64_t item = claim(job, u, n, team);
+            if (item < 0) {
+                if (me != 0) atomic_fetch_sub(&helpers_in_items, 1);
+                break;
+            }
             if (me != 0) {
                 const int64_t delay = atomic_load_explicit(&test_helper_delay_ns, memory_order_relaxed);
                 if (delay > 0) {
@@ -137,6 +147,7 @@ static int64_t run_items(uint64_t job, ae_pool_fn fn, const void *ctx, int64_t n
             }
             const struct ae_commit commit = {job, item};
             fn(ctx, item, &commit);
+            if (me != 0) atomic_fetch_sub(&helpers_in_items, 1);
             ran++;
         }
     }
@@ -306,6 +317,23 @@ void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, in
             else sched_yield();
         }
     }
+}
+
+/* Wait (at most about `timeout_ms`) until no helper is inside an item: a helper preempted in
+ * an item may run on after its job ended (see the top), reading that job's inputs. Call it
+ * before freeing what jobs read (a model's weights at shutdown; a test's tensors). Returns 1
+ * when the helpers are out, 0 on the timeout. */
+int ae_pool_quiesce(int timeout_ms) {
+    const int64_t until = now_ns() + (int64_t)timeout_ms * 1000000;
+    for (int64_t k = 0; atomic_load(&helpers_in_items) > 0; k++) {
+        if (k < 1024) {
+            cpu_relax();
+            continue;
+        }
+        if (now_ns() > until) return 0;
+        sched_yield();
+    }
+    return 1;
 }
 
 /* Tests: from now on each helper sleeps `ns` after it claims an item, as if preempted there.

@@ -115,6 +115,9 @@ def test_the_uniproc_worker_of_a_core_is_cuda_0_of_its_gpus(
         def load_model(self) -> None:
             pass
 
+        def shutdown(self) -> None:
+            pass
+
     monkeypatch.setattr(uniproc, "Worker", FakeWorker)
     config = cuda_config(tiny_llama, data_parallel_size=3).for_rank(2)
     env: dict[str, str] = {}

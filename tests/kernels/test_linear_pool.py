@@ -10,6 +10,7 @@ memory. The numbers must be those of the caller alone, bit for bit.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -129,3 +130,24 @@ def test_two_callers_at_once(threads: None) -> None:
     for t in callers:
         t.join()
     assert not errors
+
+
+@pytest.mark.timeout(120)
+def test_quiesce_waits_for_a_helper_still_inside_an_item(preempted_helpers: None) -> None:
+    """A helper asleep in an item after the call returned (taken over by the caller) still
+    counts as inside it: quiesce waits for it, so memory the item reads may then be freed."""
+    assert LIB is not None
+    layer = _linear(8192, 256, seed=3)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    linear_cpu.delay_pool_helpers(200_000_000)  # 0.2 s: the call returns long before
+    busy = False
+    for _ in range(1000):  # until a helper has claimed an item (when it wakes is the machine's)
+        layer(x)
+        if LIB.pool_quiesce(0) == 0:  # a helper is inside an item right after the call
+            busy = True
+            break
+        time.sleep(0.001)
+    linear_cpu.delay_pool_helpers(0)
+    assert busy
+    assert LIB.pool_quiesce(5000) == 1  # and it leaves it
+    linear_cpu.quiesce_pool()
