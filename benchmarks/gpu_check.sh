@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU picture in one run (about 8 minutes on one H100 or H200), results in one file.
+# The whole GPU picture in one run (about 9 minutes on one H100 or H200), results in one file.
 #
 #     bash benchmarks/gpu_check.sh [RESULTS_DIR]      # default: $OUT, else .bench/
 #
@@ -8,14 +8,15 @@
 # to make it); they are installed into /tmp/site first. In order, each with its own time limit
 # so that one hang cannot eat the rest:
 #
-#   1. the GPU's name, driver and the versions of torch, triton and transformers;
-#   2. benchmarks/gpu_profile.py: where a decode step's time goes;
+#   1. the GPU's name, driver and the versions of torch, triton and transformers; the native
+#      CPU kernels (and their sanitized build) start building in the background;
+#   2. benchmarks/gpu_profile.py: where a decode step's time goes (GPU_CHECK_PROFILE=0 skips);
 #   3. the tests marked `gpu` (the whole tree), one at a time: they share the card;
 #   4. benchmarks/gpu_engine.py: offline tok/s against transformers' generate, graphs and
 #      eager, and one HTTP stream through `asyncengine serve`;
-#   5. tests/model and tests/worker, unmarked tests: the CPU path must pass on a GPU machine;
-#   6. with time left (GPU_CHECK_SECONDS in all, default 470), the rest of the suite (not
-#      `gpu`), in parallel.
+#   5. the whole suite but the `gpu` tests, in parallel (tests/model and tests/worker first):
+#      the CPU path must pass on a GPU machine as it does without one. It gets what is left
+#      of GPU_CHECK_SECONDS (default 470), each test's result on its own line.
 #
 # Everything goes to RESULTS_DIR/gpu_check.log (and gpu_engine.json); the summary lines are
 # printed last.
@@ -62,20 +63,27 @@ date -u +"date: %Y-%m-%d" | tee -a "$LOG"
 # The image has pytest-benchmark, whose warning under xdist would be an error here.
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 300)
 XDIST=()
-python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-run "gpu_profile" 75 python3 benchmarks/gpu_profile.py --seqs 1,64 --new 32
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 14)
+# Both native libraries build while the GPU steps run: the suite's first tests (and the
+# sanitizer test's child, which builds with ASan) would otherwise wait minutes for them.
+python3 -c "from asyncengine.kernels import cpu_native as c; c._build(c.compiler())" \
+    >>"$RESULTS/native_build.log" 2>&1 &
+ASYNCENGINE_NATIVE_SANITIZE=address,undefined ASYNCENGINE_NATIVE_BUILD_TIMEOUT=800 python3 -c \
+    "from asyncengine.kernels import cpu_native as c; c._build(c.compiler())" \
+    >>"$RESULTS/native_build.log" 2>&1 &
+if [ "${GPU_CHECK_PROFILE:-1}" != 0 ]; then
+    run "gpu_profile" 75 python3 benchmarks/gpu_profile.py --seqs 1,64 --new 32
+fi
 run "gpu tests" 110 "${PYTEST[@]}" -m gpu tests
 run "gpu_engine" 135 python3 benchmarks/gpu_engine.py --seqs 1,64 --eager 1 --serve \
     --deadline 120 --phase-timeout 60 --json "$RESULTS/gpu_engine.json"
-run "cpu-path tests on this machine" 60 "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" \
-    tests/model tests/worker
 LEFT=$((${GPU_CHECK_SECONDS:-470} - ($(date +%s) - START)))
 if [ "$LEFT" -gt 45 ]; then
-    run "rest of the suite" "$((LEFT - 10))" "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" tests \
-        --ignore=tests/model --ignore=tests/worker
+    run "the suite but gpu tests, on this machine" "$((LEFT - 10))" "${PYTEST[@]}" "${XDIST[@]}" \
+        -v --durations=20 -m "not gpu" tests/model tests/worker tests
 fi
-
 section "summary"
 for line in "${SUMMARY[@]}"; do say "$line"; done
 # The tests' tallies and the benchmark's table, for the reply's tail.
-grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)|^\| " "$LOG" | tail -60
+# (-v prints "[gw3] FAILED tests/...": a suite cut off by its limit has no summary of its own.)
+grep -E "(FAILED|ERROR) tests/|[0-9]+ (passed|failed)|^\| " "$LOG" | awk '!seen[$0]++' | tail -60
