@@ -151,6 +151,11 @@ def converter_inputs(metadata: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     return tokenizer, config
 
 
+# Architectures whose tokenizer converter some transformers versions lack, and the one that
+# reads the same vocabulary.
+_CONVERTER_FALLBACK = {"mistral": "llama", "qwen3": "qwen2"}
+
+
 def _write_tokenizer(metadata: dict[str, Any], out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -163,9 +168,19 @@ def _write_tokenizer(metadata: dict[str, Any], out: Path) -> None:
 
     tokenizer_dict, config = converter_inputs(metadata)
     arch = str(metadata["general.architecture"])
-    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    try:
+        backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    except KeyError:
+        # Older transformers (before 5.2x) have no "mistral" entry: Mistral's GGUF vocabulary
+        # is Llama's (SentencePiece, or byte-level BPE for Tekken, which the Llama converter
+        # reads from tokenizer.ggml.model).
+        if arch not in _CONVERTER_FALLBACK:
+            raise
+        backend, extra = convert_gguf_tokenizer(_CONVERTER_FALLBACK[arch], tokenizer_dict)
+    # The file's own special tokens win over the converter's guesses (some transformers
+    # versions swap BOS and EOS in theirs, and pass both, which a keyword clash refuses).
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=backend, **config, **extra
+        tokenizer_object=backend, **{**extra, **config}
     )
     context = metadata.get(f"{arch}.context_length")
     if isinstance(context, int):

@@ -169,7 +169,9 @@ class Worker:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         name = f"dp{data_parallel_rank}-tp{self.rank}.{time.time_ns()}.pt.trace.json"
-        profiler = torch.profiler.profile(activities=activities)
+        # One profile object per start: keep all its events (without acc_events some torch
+        # versions warn, at a later profile in the process, that a cycle's events are cleared).
+        profiler = torch.profiler.profile(activities=activities, acc_events=True)
         profiler.start()
         self._profiler = (profiler, os.path.join(profile_dir, name))
 

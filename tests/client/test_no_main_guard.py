@@ -5,6 +5,7 @@ it in a real interpreter, and checks that it generated and left no process behin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -79,10 +80,13 @@ app = Starlette(routes=[Route("/generate", generate, methods=["POST"])], lifespa
 """
 
 
-def _run(args: list[str], cwd: Path, stdin: str | None = None) -> str:
+def _run(
+    args: list[str], cwd: Path, stdin: str | None = None, env: dict[str, str] | None = None
+) -> str:
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=cwd,
+        env=env,
         input=stdin,
         capture_output=True,
         text=True,
@@ -124,15 +128,19 @@ def test_a_script_piped_on_stdin(tiny_llama: Path, tmp_path: Path) -> None:
 def test_offline_tensor_parallel_in_a_plain_script(tiny_llama: Path, tmp_path: Path) -> None:
     script = tmp_path / "offline.py"
     script.write_text(TP_PROGRAM.format(model=str(tiny_llama)))
-    before = {p.pid for p in psutil.process_iter()}
-    _run([str(script)], tmp_path)
+    # The program's processes inherit this mark; tests running beside this one (xdist) start
+    # workers of their own, which must not count.
+    mark = str(tmp_path)
+    _run([str(script)], tmp_path, env={**os.environ, "AE_TEST_PROGRAM": mark})
     # No worker outlives the program (the workers are the only python children it had).
     time.sleep(0.5)
-    left = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if p.pid not in before and "asyncengine.executor.worker_proc" in (p.info["cmdline"] or [])
-    ]
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        if "asyncengine.executor.worker_proc" not in (p.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("AE_TEST_PROGRAM") == mark:
+                left.append(p)
     assert not left
 
 

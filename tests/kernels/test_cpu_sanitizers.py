@@ -81,7 +81,8 @@ def test_native_kernel_tests_pass_under_asan_and_ubsan() -> None:
     # slowly: give it the whole test's time rather than fail on a build timeout.
     env.setdefault(cpu_native.BUILD_TIMEOUT_ENV, "800")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider", "-k",
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider",
+         "-p", "no:benchmark", "-k",
          "not portable_build", *TESTS],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip

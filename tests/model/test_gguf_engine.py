@@ -256,7 +256,7 @@ async def test_async_llm_runs_a_gguf_file(tmp_path: Path) -> None:
 def test_cli_generate_runs_a_gguf_file(tmp_path: Path) -> None:
     tiny = write_tiny_gguf(tmp_path / "cli.gguf", "llama", weight_type=Q.Q8_0)
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "asyncengine"), "generate", str(tiny.path), "Hello",
+        [sys.executable, "-m", "asyncengine.entrypoints.cli", "generate", str(tiny.path), "Hello",
          "--device", "cpu", "--max-tokens", "4", "--temperature", "0"],
         capture_output=True, text=True, timeout=100, env=os.environ.copy(),
     )  # fmt: skip
@@ -269,7 +269,7 @@ def test_cli_refuses_an_unsupported_type_in_one_line(tmp_path: Path) -> None:
         tmp_path / "q2k.gguf", "llama", extra_tensors={"blk.0.attn_q.weight.x": (raw, Q.Q2_K)}
     ).path
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "asyncengine"), "generate", str(path), "Hi",
+        [sys.executable, "-m", "asyncengine.entrypoints.cli", "generate", str(path), "Hi",
          "--device", "cpu"],
         capture_output=True, text=True, timeout=100, env=os.environ.copy(),
     )  # fmt: skip

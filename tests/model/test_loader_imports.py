@@ -23,6 +23,9 @@ from asyncengine.config import EngineConfig
 from asyncengine.model.loader import import_model_code
 
 config = EngineConfig.from_kwargs({model!r}, device="cpu", num_kv_blocks=8)
+# Some installations freeze objects of their own at start-up (a GPU image's site packages
+# froze 375): the import's change is what counts.
+frozen_before = gc.get_freeze_count()
 import_model_code(config.model_config, freeze={freeze})
 from transformers.utils.import_utils import is_kernels_available
 import asyncengine.kernels  # our kernels still import under their own name
@@ -31,7 +34,7 @@ print(json.dumps({{
     "kernels_available": is_kernels_available(),
     "kernels_module": repr(sys.modules.get("kernels", "absent")),
     "gc_enabled": gc.isenabled(),
-    "frozen": gc.get_freeze_count(),
+    "frozen": gc.get_freeze_count() - frozen_before,
 }}))
 """
 
