@@ -194,6 +194,10 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _i64,  # weight (GGUF blocks, N rows of K / values blocks), N, K
         _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
     )),
+    "ae_dequantize_quant": (_int, (
+        _int, _ptr, _i64, _i64,  # format code, weight (GGUF blocks), N, K
+        _int, _ptr, _i64, _int,  # dtype code, out, its row stride, threads
+    )),
 }  # fmt: skip
 
 
@@ -232,6 +236,7 @@ class NativeKernels:
     # which formats ae_linear_quant runs (bit f: format code f; see quant_formats.FORMATS)
     quant_formats: int
     linear_quant: Callable[..., int]
+    dequantize_quant: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
     # how many items the caller took over from helpers since the last call
     pool_test_delay_helpers: Callable[[int], int]
@@ -341,6 +346,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         pool_quiesce=_function(lib, "ae_pool_quiesce"),  # type: ignore[arg-type]
         quant_formats=int(_function(lib, "ae_quant_formats")()),  # type: ignore[func-returns-value,call-overload]
         linear_quant=_function(lib, "ae_linear_quant"),  # type: ignore[arg-type]
+        dequantize_quant=_function(lib, "ae_dequantize_quant"),  # type: ignore[arg-type]
     )
 
 

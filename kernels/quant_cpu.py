@@ -51,7 +51,8 @@ from asyncengine.kernels.quant_formats import (
 __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
     "Q6_K", "Q8_0", "QK", "available_paths", "current_path", "dequantize",
-    "dequantize_rows_q8", "linear_quant_cpu", "linear_quant_torch", "native_formats",
+    "dequantize_cpu", "dequantize_rows_q8", "linear_quant_cpu", "linear_quant_torch",
+    "native_formats",
     "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight", "set_path",
 ]  # fmt: skip
 
@@ -248,3 +249,32 @@ def linear_quant_cpu(
     if status != 0:
         raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {fmt.values}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def dequantize_cpu(
+    qweight: torch.Tensor,  # uint8 [N, K / values * block bytes], contiguous
+    qtype: str,  # any of FORMATS
+    dtype: torch.dtype,  # fp32, bf16 or fp16
+    out: torch.Tensor | None = None,  # [N, K] of `dtype`, rows contiguous: written in place
+) -> torch.Tensor:  # [N, K]
+    """The weight's values, as `dequantize` gives them rounded once to `dtype`, by the native
+    kernels (`csrc/quant_dequant.c`, rows split between torch's threads)."""
+    fmt = quant_format(qtype)
+    n, row_bytes = qweight.shape
+    k = row_bytes // fmt.nbytes * fmt.values
+    if qweight.dtype != torch.uint8 or row_bytes % fmt.nbytes or not qweight.is_contiguous():
+        raise ValueError(
+            f"a {qtype} weight is contiguous uint8 [N, whole {fmt.nbytes}-byte blocks]; got "
+            f"{qweight.dtype} {tuple(qweight.shape)}"
+        )
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype)
+    elif out.shape != (n, k) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {dtype} [{n}, {k}] with contiguous rows")
+    status = _kernels().dequantize_quant(
+        fmt.code, qweight.data_ptr(), n, k, DTYPE_CODES[dtype], out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"dequantize_cpu: {qtype} to {dtype} failed (status {status})")
+    return out

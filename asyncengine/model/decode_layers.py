@@ -27,7 +27,7 @@ from asyncengine.kernels.quant_formats import quant_format
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear, PackedLinear
 from asyncengine.model.lean_layer import LeanLayer
-from asyncengine.model.quant_linear import QuantLinear
+from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS, QuantLinear
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop: there the kernels' own time dwarfs the calls'
@@ -145,7 +145,7 @@ def _layer_row(
                 return None
             return int(module.out_features)
         if type(module) is QuantLinear:
-            return _put_quant(module, in_features, prefix, fields, keep)
+            return _put_quant(module, in_features, prefix, fields, keep, row_limits)
         if type(module) is not PackedLinear or module.in_features != in_features:
             return None
         native = module.native  # None unless bf16 weight and bias on the AVX512-BF16 build
@@ -193,7 +193,12 @@ def _layer_row(
 
 
 def _put_quant(
-    module: QuantLinear, in_features: int, prefix: str, fields: list[int], keep: list[object]
+    module: QuantLinear,
+    in_features: int,
+    prefix: str,
+    fields: list[int],
+    keep: list[object],
+    row_limits: list[int],
 ) -> int | None:
     """A QuantLinear's row fields (its blocks, a bf16 copy of its bias, its format as "*_kp");
     its output width, None where the native kernels do not run its format."""
@@ -209,4 +214,6 @@ def _put_quant(
         keep.append(bias)
         fields[_FIELD[f"{prefix}_b"]] = bias.data_ptr()
     fields[_FIELD[f"{prefix}_kp"]] = quant_kp(quant_format(module.qtype).code)
+    # Steps of more rows run the Python loop, where QuantLinear dequantizes for the float GEMM.
+    row_limits.append(DEQUANT_MIN_ROWS - 1)
     return int(module.out_features)

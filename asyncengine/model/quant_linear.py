@@ -16,11 +16,18 @@ tokens and dequantizes those only, never the whole table.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.quant_cpu import linear_quant_cpu, linear_quant_torch, native_formats
+from asyncengine.kernels.quant_cpu import (
+    dequantize_cpu,
+    linear_quant_cpu,
+    linear_quant_torch,
+    native_formats,
+)
 from asyncengine.kernels.quant_formats import dequantize, in_features
 
 
@@ -38,12 +45,38 @@ class QuantLinear(nn.Module):
         self.native = qtype in _native_formats()  # else the torch reference runs it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.native:
-            return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
-        return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
+        if not self.native:
+            return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
+        if x.numel() // self.in_features >= DEQUANT_MIN_ROWS:
+            # Many rows: the weight dequantized into a scratch buffer, then the float GEMM.
+            weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, self))
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
+
+
+# Products of at least this many rows dequantize the weight (once per product, into a scratch
+# buffer the size of the largest weight, never kept) and run torch's float GEMM on it: there the
+# GEMM's speed outweighs a pass over the weight, while the int8 kernels pay a scale product per
+# block and row (measured on AVX512-VNNI Zen 4: see docs/quantization.md). Fewer rows (decode
+# of a few streams) read the blocks in place with the activations quantized to int8, as
+# llama.cpp does. The two give slightly different sums (no int8 rounding of the activations
+# here), so a request's numbers depend on how many rows its step had, as with any GEMM.
+DEQUANT_MIN_ROWS = 64
+
+_SCRATCH = threading.local()  # one buffer per thread (in-process engines may run side by side)
+
+
+def _scratch(dtype: torch.dtype, layer: QuantLinear) -> torch.Tensor:
+    """A [N, K] `dtype` view of this thread's scratch buffer, grown to fit (never shrunk: the
+    largest weight of a model, once)."""
+    need = layer.out_features * layer.in_features
+    buffer: torch.Tensor | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
+        buffer = _SCRATCH.buffer = torch.empty(need, dtype=dtype)
+    return buffer[:need].view(layer.out_features, layer.in_features)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,12 @@ int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, con
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                     int num_threads);
 
+/* quant_dequant.c: W's N rows of GGUF blocks (format code fmt) as dtype dt (0 fp32, 1 bf16,
+ * 2 fp16) rows of stride o_st in out: 0 on success, -2 when K is not a multiple of the block,
+ * -3 for an unknown format, -4 for an unknown dtype */
+int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, void *out,
+                        int64_t o_st, int num_threads);
+
 /* ---- Shared between the .c files, not called from Python ---- */
 
 /* quant_kquants.c: ae_linear_quant's K-quant formats, and which of them it runs (bit f:

@@ -175,6 +175,32 @@ def test_greedy_tokens_follow_the_dequantized_reference(
     _assert_greedy_matches(_greedy(tiny.path), model, PROMPTS)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_long_prefill_runs_the_float_gemm_on_dequantized_weights(
+    tmp_path: Path, qtype: Q
+) -> None:
+    # One step of at least DEQUANT_MIN_ROWS tokens: every projection multiplies the
+    # dequantized weight with the float GEMM, so the prompt's logprobs are the unrounded fp32
+    # reference's up to the order of sums.
+    from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS
+
+    tiny = write_tiny_gguf(tmp_path / "long.gguf", "llama", weight_type=qtype, seed=5,
+                           shapes=K_SHAPES)  # fmt: skip
+    prompt = [3 + (11 * i) % 200 for i in range(DEQUANT_MIN_ROWS + 16)]
+    model = _reference_model(tiny.path, tiny, quantized=False)
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    llm = LLM(tiny.path, device="cpu", dtype="float32", max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    for p in range(1, len(prompt)):
+        got = out.prompt_logprobs[p]
+        assert got is not None
+        assert got[prompt[p]].logprob == pytest.approx(reference[p - 1, prompt[p]].item(), abs=1e-4)
+    _assert_free(llm)
+
+
 def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:
     """What llama-quantize writes for Q4_K_M: Q4_K projections, some Q6_K ones (half the
     down projections and the v projections), a Q6_K embedding (tied: the lm_head too)."""

@@ -1,0 +1,191 @@
+/*
+ * GGUF block-quantized weights read back as fp32, bf16 or fp16 rows: for products of many rows
+ * (prefill chunks, large decode batches), where multiplying the dequantized rows with the
+ * float GEMM costs less than quantizing the activations and summing block by block. The
+ * caller keeps the result only for the one product (a scratch buffer), so the weights stay
+ * quantized in memory.
+ *
+ * Each block is decoded into fp32 exactly as ggml's dequantize_row_<type> decodes it (the
+ * same products in the same order: the values equal gguf-py's and quant_formats.dequantize's),
+ * then rounded once to the output dtype. The loops are plain C over one block at a time, which
+ * GCC vectorizes; rows are split between OpenMP threads.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ae_kernels.h"
+#include "bf16.h"
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Values and bytes per block of each format code (quant_formats.FORMATS' order). */
+static const int VALUES[8] = {32, 32, 32, 32, 32, 256, 256, 256};
+static const int BYTES[8] = {34, 18, 20, 22, 24, 144, 176, 210};
+
+static void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of format `fmt` at b, decoded into y (VALUES[fmt] floats). */
+static void dequant_block(int fmt, const uint8_t *b, float *y) {
+    switch (fmt) {
+    case 0: { /* Q8_0: d, qs[32] */
+        const float d = f16_to_f32(rd16(b));
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+        break;
+    }
+    case 1: { /* Q4_0: d, qs[16] */
+        const float d = f16_to_f32(rd16(b));
+        const uint8_t *qs = b + 2;
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)((qs[j] & 0x0F) - 8) * d;
+            y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case 2: { /* Q4_1: d, m, qs[16] */
+        const float d = f16_to_f32(rd16(b)), m = f16_to_f32(rd16(b + 2));
+        const uint8_t *qs = b + 4;
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(qs[j] & 0x0F) * d + m;
+            y[j + 16] = (float)(qs[j] >> 4) * d + m;
+        }
+        break;
+    }
+    case 3: { /* Q5_0: d, qh[4], qs[16] */
+        const float d = f16_to_f32(rd16(b));
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        const uint8_t *qs = b + 6;
+        for (int j = 0; j < 16; j++) {
+            const uint8_t xh0 = (uint8_t)(((qh >> j) << 4) & 0x10);
+            const uint8_t xh1 = (uint8_t)((qh >> (j + 12)) & 0x10);
+            y[j] = (float)(((qs[j] & 0x0F) | xh0) - 16) * d;
+            y[j + 16] = (float)(((qs[j] >> 4) | xh1) - 16) * d;
+        }
+        break;
+    }
+    case 4: { /* Q5_1: d, m, qh[4], qs[16] */
+        const float d = f16_to_f32(rd16(b)), m = f16_to_f32(rd16(b + 2));
+        uint32_t qh;
+        memcpy(&qh, b + 4, 4);
+        const uint8_t *qs = b + 8;
+        for (int j = 0; j < 16; j++) {
+            const uint8_t xh0 = (uint8_t)(((qh >> j) << 4) & 0x10);
+            const uint8_t xh1 = (uint8_t)((qh >> (j + 12)) & 0x10);
+            y[j] = (float)((qs[j] & 0x0F) | xh0) * d + m;
+            y[j + 16] = (float)((qs[j] >> 4) | xh1) * d + m;
+        }
+        break;
+    }
+    case 5: { /* Q4_K: d, dmin, scales[12], qs[128] */
+        const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
+            uint8_t sc, m;
+            get_scale_min_k4(is, scales, &sc, &m);
+            const float d1 = d * sc, m1 = dmin * m;
+            get_scale_min_k4(is + 1, scales, &sc, &m);
+            const float d2 = d * sc, m2 = dmin * m;
+            for (int l = 0; l < 32; l++) y[j + l] = d1 * (float)(q[l] & 0xF) - m1;
+            for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (float)(q[l] >> 4) - m2;
+            q += 32;
+        }
+        break;
+    }
+    case 6: { /* Q5_K: d, dmin, scales[12], qh[32], qs[128] */
+        const float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
+        const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+        uint8_t u1 = 1, u2 = 2;
+        for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
+            uint8_t sc, m;
+            get_scale_min_k4(is, scales, &sc, &m);
+            const float d1 = d * sc, m1 = dmin * m;
+            get_scale_min_k4(is + 1, scales, &sc, &m);
+            const float d2 = d * sc, m2 = dmin * m;
+            for (int l = 0; l < 32; l++)
+                y[j + l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; l++)
+                y[j + 32 + l] = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            ql += 32;
+            u1 = (uint8_t)(u1 << 2);
+            u2 = (uint8_t)(u2 << 2);
+        }
+        break;
+    }
+    case 7: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16_to_f32(rd16(b + 208));
+        for (int n = 0; n < 256; n += 128) {
+            for (int is = 0; is < 2; is++) { /* 16 values of each of the four rows share a scale */
+                const float s1 = d * sc[is], s2 = d * sc[is + 2];
+                const float s3 = d * sc[is + 4], s4 = d * sc[is + 6];
+                for (int l = is * 16; l < is * 16 + 16; l++) {
+                    const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[n + l] = s1 * (float)q1;
+                    y[n + l + 32] = s2 * (float)q2;
+                    y[n + l + 64] = s3 * (float)q3;
+                    y[n + l + 96] = s4 * (float)q4;
+                }
+            }
+            ql += 64;
+            qh += 32;
+            sc += 8;
+        }
+        break;
+    }
+    }
+}
+
+int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, void *out,
+                        int64_t o_st, int num_threads) {
+    if (fmt < 0 || fmt > 7) return -3;
+    if (dt < 0 || dt > 2) return -4;
+    const int64_t values = VALUES[fmt], nb = K / values;
+    if (K <= 0 || K % values) return -2;
+    const int64_t row_bytes = nb * BYTES[fmt];
+#pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
+    {
+        float y[256];
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = (const uint8_t *)w + n * row_bytes;
+            for (int64_t i = 0; i < nb; i++) {
+                dequant_block(fmt, row + i * BYTES[fmt], y);
+                const int64_t at = n * o_st + i * values;
+                if (dt == 0) {
+                    memcpy((float *)out + at, y, (size_t)values * 4);
+                } else if (dt == 1) {
+                    uint16_t *o = (uint16_t *)out + at;
+                    for (int64_t j = 0; j < values; j++) o[j] = f32_to_bf16(y[j]);
+                } else {
+                    _Float16 *o = (_Float16 *)out + at;
+                    for (int64_t j = 0; j < values; j++) o[j] = (_Float16)y[j];
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,74 @@
+"""`dequantize_cpu` (csrc/quant_dequant.c): every format read back as fp32, bf16 and fp16 equals
+`quant_formats.dequantize` (gguf-py's numbers) rounded once, bit for bit; and `QuantLinear`'s
+many-row products, which run the float GEMM on it, equal that product over the dequantized
+weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncengine.kernels.cpu_native import load_native, unavailable_reason
+from asyncengine.kernels.quant_cpu import dequantize_cpu
+from asyncengine.kernels.quant_formats import FORMATS, dequantize, random_blocks
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(load_native() is None, reason=unavailable_reason()),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_every_format_reads_back_as_gguf_py_reads_it(
+    qtype: str, dtype: torch.dtype, n: int
+) -> None:
+    gen = torch.Generator().manual_seed(n)
+    k = 2 * FORMATS[qtype].values if FORMATS[qtype].values == 256 else 96
+    qweight = random_blocks(qtype, n, k, gen)
+    assert torch.equal(dequantize_cpu(qweight, qtype, dtype), dequantize(qweight, qtype).to(dtype))
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q5_1", "q6_k"])
+def test_out_rows_may_be_strided(qtype: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qweight = random_blocks(qtype, 5, 256, gen)
+    big = torch.full((5, 300), 7.0, dtype=torch.bfloat16)
+    dequantize_cpu(qweight, qtype, torch.bfloat16, out=big[:, :256])
+    assert torch.equal(big[:, :256], dequantize(qweight, qtype).bfloat16())
+    assert torch.all(big[:, 256:] == 7.0)  # nothing written past the row
+
+
+def test_bad_weights_and_outputs_are_refused() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qweight = random_blocks("q8_0", 4, 64, gen)
+    with pytest.raises(ValueError, match="whole 34-byte blocks"):
+        dequantize_cpu(qweight[:, :-1].contiguous(), "q8_0", torch.float32)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        dequantize_cpu(qweight.view(torch.int8), "q8_0", torch.float32)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \[4, 64\]"):
+        dequantize_cpu(qweight, "q8_0", torch.float32, out=torch.empty(4, 65))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_many_row_products_run_the_float_gemm_on_the_dequantized_weight(
+    qtype: str, dtype: torch.dtype
+) -> None:
+    from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS, QuantLinear
+
+    gen = torch.Generator().manual_seed(1)
+    qweight = random_blocks(qtype, 40, 512, gen)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    layer = QuantLinear(qweight, qtype, bias)
+    x = torch.randn(DEQUANT_MIN_ROWS + 3, 512, generator=gen).to(dtype)
+    expected = F.linear(x, dequantize(qweight, qtype).to(dtype), bias)
+    assert torch.equal(layer(x), expected)
+    # Fewer rows: the int8 kernels (activations rounded to int8 blocks): close, not equal.
+    few = x[: DEQUANT_MIN_ROWS - 1]
+    close = F.linear(few.float(), dequantize(qweight, qtype), bias.float())
+    scale = close.abs().max()
+    assert (layer(few).float() - close).abs().max() <= 0.05 * scale
