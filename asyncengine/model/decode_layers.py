@@ -214,6 +214,6 @@ def _put_quant(
         keep.append(bias)
         fields[_FIELD[f"{prefix}_b"]] = bias.data_ptr()
     fields[_FIELD[f"{prefix}_kp"]] = quant_kp(quant_format(module.qtype).code)
-    # Steps of more rows run the Python loop, where QuantLinear dequantizes for the float GEMM.
-    row_limits.append(DEQUANT_MIN_ROWS - 1)
+    if module.dequant:  # more rows run the Python loop, where it dequantizes for the GEMM
+        row_limits.append(DEQUANT_MIN_ROWS - 1)
     return int(module.out_features)

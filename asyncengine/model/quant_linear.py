@@ -43,11 +43,13 @@ class QuantLinear(nn.Module):
         self.out_features = qweight.shape[0]
         self.in_features = in_features(qweight, qtype)
         self.native = qtype in _native_formats()  # else the torch reference runs it
+        # Many-row products may dequantize it (see DEQUANT_MIN_ROWS), unless it is huge.
+        self.dequant = self.out_features * self.in_features <= DEQUANT_MAX_VALUES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if not self.native:
             return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
-        if x.numel() // self.in_features >= DEQUANT_MIN_ROWS:
+        if self.dequant and x.numel() // self.in_features >= DEQUANT_MIN_ROWS:
             # Many rows: the weight dequantized into a scratch buffer, then the float GEMM.
             weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, self))
             return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
@@ -65,6 +67,11 @@ class QuantLinear(nn.Module):
 # llama.cpp does. The two give slightly different sums (no int8 rounding of the activations
 # here), so a request's numbers depend on how many rows its step had, as with any GEMM.
 DEQUANT_MIN_ROWS = 64
+# A weight of more values always runs on the int8 kernels: the scratch buffer would cost more
+# memory than a model's quantized file saves (a 1B model's 128k-token lm_head, tied to its
+# embedding, is 262M values: 0.5 GB in bf16). 2^25 takes every other projection of such a
+# model (its joint gate/up projection: 2 x 8192 x 2048).
+DEQUANT_MAX_VALUES = 1 << 25
 
 _SCRATCH = threading.local()  # one buffer per thread (in-process engines may run side by side)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
-from asyncengine.kernels.quant_cpu import dequantize_cpu
+from asyncengine.kernels.quant_cpu import dequantize_cpu, linear_quant_cpu
 from asyncengine.kernels.quant_formats import FORMATS, dequantize, random_blocks
 
 pytestmark = [
@@ -72,3 +72,15 @@ def test_many_row_products_run_the_float_gemm_on_the_dequantized_weight(
     close = F.linear(few.float(), dequantize(qweight, qtype), bias.float())
     scale = close.abs().max()
     assert (layer(few).float() - close).abs().max() <= 0.05 * scale
+
+
+def test_a_huge_weight_stays_on_the_int8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncengine.model import quant_linear
+
+    monkeypatch.setattr(quant_linear, "DEQUANT_MAX_VALUES", 40 * 512 - 1)
+    gen = torch.Generator().manual_seed(2)
+    qweight = random_blocks("q8_0", 40, 512, gen)
+    layer = quant_linear.QuantLinear(qweight, "q8_0", None)
+    assert not layer.dequant
+    x = torch.randn(quant_linear.DEQUANT_MIN_ROWS, 512, generator=gen)
+    assert torch.equal(layer(x), linear_quant_cpu(x, qweight, "q8_0"))
