@@ -7,7 +7,6 @@ reasoning parser: thinking → `reasoning_content`, the rest → content and too
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.client.chat import render_chat
 from asyncengine.entrypoints.openai.body import decode_request
+from asyncengine.entrypoints.openai.chat_prompt import check_reasoning, render_prompt
 from asyncengine.entrypoints.openai.errors import bad_request, error_for, from_value_error
 from asyncengine.entrypoints.openai.generation import (
     EnginePrompt,
@@ -45,7 +44,7 @@ from asyncengine.entrypoints.openai.protocol import (
     Usage,
     sampling_params,
 )
-from asyncengine.entrypoints.openai.reasoning import Phase, ReasoningParser, ReasoningStream
+from asyncengine.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.entrypoints.openai.structured import (
     CONSTRAINED_STREAM_WAIT_S,
@@ -56,7 +55,6 @@ from asyncengine.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolRequest,
     parse_tool_calls,
-    render_tool_messages,
     tool_request,
 )
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
@@ -64,9 +62,6 @@ from asyncengine.entrypoints.sse import event as _event
 from asyncengine.entrypoints.sse_response import SSEResponse
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
-
-# render_chat names a bad message at the start of its message: "messages[2].content must...".
-_MESSAGE_FIELD = re.compile(r"^(messages\[\d+\](?:\.\w+)?)")
 
 
 @dataclass(slots=True, eq=False)
@@ -94,7 +89,12 @@ class ChatServing:
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         params = _params(req, tools, state.engine.config.model_config.sampling_defaults)
         prompt = self._prompt(req, tools)
-        self._check_reasoning(req, tools, params, prompt)
+        format_field = (
+            "response_format"
+            if req.response_format is not None and req.response_format.get("type") != "text"
+            else None
+        )
+        check_reasoning(self.reasoning_parser, tools, params, prompt, format_field)
         # Every field is checked by now: a streamed request is refused before its stream.
         check_request(
             state, [prompt], params, req.priority or 0, "messages", _max_tokens_field(req)
@@ -147,58 +147,10 @@ class ChatServing:
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        tokenizer = self.state.engine.tokenizer
-        if tools is not None:
-            messages, extra = render_tool_messages(messages, tools, tokenizer.chat_template)
-            template_kwargs.update(extra)
-        try:
-            prompt = render_chat(
-                tokenizer,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                chat_template_kwargs=template_kwargs,
-            )
-        except ValueError as exc:  # a bad message, named in the text ("messages[1].role=...")
-            m = _MESSAGE_FIELD.match(str(exc))
-            raise bad_request(str(exc), m.group(1) if m else "messages") from None
-        except (TypeError, RuntimeError) as exc:
-            # What a template raises beyond jinja's own errors (adding a string to a number,
-            # iterating one) comes from the data it was given, as in vLLM: the request's.
-            raise bad_request(
-                f"the chat template failed: {type(exc).__name__}: {exc}", "messages"
-            ) from None
-        return EnginePrompt(prompt.token_ids, prompt.text)
-
-    def _check_reasoning(
-        self,
-        req: ChatCompletionRequest,
-        tools: ToolRequest | None,
-        params: SamplingParams,
-        prompt: EnginePrompt,
-    ) -> None:
-        """400 for a constrained output that the model would have to think inside: the
-        grammar applies from the first token, and the thinking comes first. Allowed when the
-        prompt has closed the thinking already (`chat_template_kwargs: {"enable_thinking":
-        false}` with Qwen3's template): then the whole output is the answer."""
-        parser = self.reasoning_parser
-        if parser is None or params.structured_outputs is None:
-            return
-        if parser.first_phase(prompt.text) is Phase.CONTENT:
-            return
-        if tools is not None and tools.constraint() is not None:
-            field_name = "tool_choice"
-        elif req.response_format is not None and req.response_format.get("type") != "text":
-            field_name = "response_format"
-        else:
-            field_name = "structured_outputs"
-        raise bad_request(
-            f"{field_name} constrains the output from its first token, and with the server's "
-            f"reasoning parser ({parser.name}) the output starts with the model's thinking: "
-            "give no constraint, or turn thinking off in the template "
-            '(chat_template_kwargs: {"enable_thinking": false})',
-            field_name,
-        )
+        return render_prompt(
+            self.state.engine.tokenizer, messages, tools, req.chat_template_kwargs, "messages",
+            add_generation_prompt=req.add_generation_prompt,
+        )  # fmt: skip
 
 
 def _check_tool_calls(calls: list[dict[str, Any]], param: str) -> None:

@@ -28,8 +28,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.client.chat import render_chat
 from asyncengine.entrypoints.openai.body import decode_request
+from asyncengine.entrypoints.openai.chat_prompt import check_reasoning, render_prompt
 from asyncengine.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -46,14 +46,13 @@ from asyncengine.entrypoints.openai.protocol import (
     _SamplingRequest,
     sampling_params,
 )
-from asyncengine.entrypoints.openai.reasoning import Phase, ReasoningParser, ReasoningStream
+from asyncengine.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from asyncengine.entrypoints.openai.state import ServerState
 from asyncengine.entrypoints.openai.structured import CONSTRAINED_STREAM_WAIT_S, request_constraint
 from asyncengine.entrypoints.openai.tool_calls import (
     TOOL_CHOICES,
     ToolCallStream,
     ToolRequest,
-    render_tool_messages,
     tool_request,
 )
 from asyncengine.entrypoints.sse import Emit, call_until_disconnect
@@ -114,7 +113,8 @@ class ResponsesServing:
             req, tools, text_constraint, state.engine.config.model_config.sampling_defaults
         )
         prompt = self._prompt(req, tools)
-        self._check_reasoning(tools, text_constraint, params, prompt)
+        format_field = "text.format" if text_constraint is not None else None
+        check_reasoning(self.reasoning_parser, tools, params, prompt, format_field)
         check_request(
             state, [prompt], params, req.priority or 0, "input", "max_output_tokens"
         )  # every field is checked by now: a streamed request is refused before its stream
@@ -143,46 +143,8 @@ class ResponsesServing:
 
     def _prompt(self, req: ResponsesRequest, tools: ToolRequest | None) -> EnginePrompt:
         messages = _messages(req)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        tokenizer = self.state.engine.tokenizer
-        if tools is not None:
-            messages, extra = render_tool_messages(messages, tools, tokenizer.chat_template)
-            template_kwargs.update(extra)
-        try:
-            prompt = render_chat(tokenizer, messages, chat_template_kwargs=template_kwargs)
-        except ValueError as exc:
-            raise bad_request(str(exc), "input") from None
-        except (TypeError, RuntimeError) as exc:  # what a template raises on the data given
-            raise bad_request(
-                f"the chat template failed: {type(exc).__name__}: {exc}", "input"
-            ) from None
-        return EnginePrompt(prompt.token_ids, prompt.text)
-
-    def _check_reasoning(
-        self,
-        tools: ToolRequest | None,
-        text_constraint: StructuredOutputsParams | None,
-        params: SamplingParams,
-        prompt: EnginePrompt,
-    ) -> None:
-        """400 for a constraint the model would have to think inside (as chat's)."""
-        parser = self.reasoning_parser
-        if parser is None or params.structured_outputs is None:
-            return
-        if parser.first_phase(prompt.text) is Phase.CONTENT:
-            return
-        if tools is not None and tools.constraint() is not None:
-            field_name = "tool_choice"
-        elif text_constraint is not None:
-            field_name = "text.format"
-        else:
-            field_name = "structured_outputs"
-        raise bad_request(
-            f"{field_name} constrains the output from its first token, and with the server's "
-            f"reasoning parser ({parser.name}) the output starts with the model's thinking: "
-            "give no constraint, or turn thinking off in the template "
-            '(chat_template_kwargs: {"enable_thinking": false})',
-            field_name,
+        return render_prompt(
+            self.state.engine.tokenizer, messages, tools, req.chat_template_kwargs, "input"
         )
 
 
