@@ -211,6 +211,13 @@ def quiesce_pool(timeout_ms: int = 1000) -> None:
         lib.pool_quiesce(timeout_ms)
 
 
+def set_pool_strict(on: bool) -> bool:
+    """Tests: with `on`, every work-pool job waits for its helpers to leave its items before
+    it returns, so its caller may free what it read at once (initially
+    $ASYNCENGINE_POOL_STRICT=1, which the test suite sets); the previous setting."""
+    return bool(require_native().pool_set_strict(int(on)))
+
+
 def delay_pool_helpers(ns: int) -> int:
     """For tests: from now on the kernels' pool helpers (csrc/pool.c) sleep `ns` nanoseconds
     after claiming an item, as a preempted thread would (0: not at all). Returns how many items

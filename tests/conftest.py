@@ -56,6 +56,9 @@ if SIMULATE_GPU:
 
 # Two cores: one torch thread per test process keeps timings of tiny models sane.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Work-pool jobs wait for their helpers (csrc/pool.c's strict mode): tests free weights right
+# after their products, and a helper preempted in an item would read them after the free.
+os.environ["ASYNCENGINE_POOL_STRICT"] = "1"
 # Ray reads it when first imported: with it, a test's Ray cluster binds 127.0.0.1 only (by
 # default Ray binds the machine's interface address).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

@@ -100,6 +100,9 @@ int ae_linear_bf16_fast(void);
 /* pool.c: wait (up to timeout_ms) until no pool helper is inside an item (1), else 0; before
  * freeing what pool jobs read (see pool.c) */
 int ae_pool_quiesce(int timeout_ms);
+/* pool.c, tests: 1 makes every job wait for its helpers to leave its items before it returns
+ * (initially $ASYNCENGINE_POOL_STRICT=1); returns the previous setting */
+int ae_pool_set_strict(int on);
 /* pool.c, for tests: helpers sleep `ns` after claiming an item, as if preempted there; returns
  * how many items the calling thread took over from helpers since the last call */
 int64_t ae_pool_test_delay_helpers(int64_t ns);

@@ -82,6 +82,9 @@ static _Atomic int64_t test_helper_delay_ns;
 static _Atomic int64_t items_taken_over; /* items the master computed after a helper claimed them */
 /* Helpers inside an item now (ae_pool_quiesce waits for none). */
 static _Atomic int64_t helpers_in_items;
+/* 1: ae_pool_run returns only once no helper is inside an item (ae_pool_set_strict); -1: not
+ * read yet from $ASYNCENGINE_POOL_STRICT. */
+static _Atomic int strict_mode = -1;
 
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cond = PTHREAD_COND_INITIALIZER;
@@ -248,6 +251,28 @@ void ae_pool_release(void) { atomic_store(&master_busy, 0); }
 
 /* Run fn(ctx, item, commit) for every item < n with up to `threads` threads, the caller one of
  * them. The caller holds the pool (ae_pool_acquire). ctx (ctx_bytes <= CTX_BYTES) is copied. */
+int ae_pool_quiesce(int timeout_ms);
+
+/* Nonzero where a job's caller must not return while a helper is still inside one of its
+ * items: for tests, which free a weight right after its product (a server keeps its weights
+ * for its life, and quiesces before it frees them). */
+static int pool_strict(void) {
+    int v = atomic_load_explicit(&strict_mode, memory_order_relaxed);
+    if (v < 0) {
+        const char *env = getenv("ASYNCENGINE_POOL_STRICT");
+        v = env != NULL && env[0] == '1';
+        atomic_store_explicit(&strict_mode, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+/* Turn strict mode on or off (tests); returns the previous setting. */
+int ae_pool_set_strict(int on) {
+    const int before = pool_strict();
+    atomic_store(&strict_mode, on ? 1 : 0);
+    return before;
+}
+
 void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, int threads) {
     if (n <= 0) return;
     int helpers = threads - 1;
@@ -317,6 +342,7 @@ void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, in
             else sched_yield();
         }
     }
+    if (pool_strict()) ae_pool_quiesce(60000);
 }
 
 /* Wait (at most about `timeout_ms`) until no helper is inside an item: a helper preempted in

@@ -63,7 +63,7 @@ def _runtime(cc: str, name: str) -> str | None:
 
 
 @pytest.mark.timeout(900)
-def test_native_kernel_tests_pass_under_asan_and_ubsan() -> None:
+def test_native_kernel_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
     cc = cpu_native.compiler()
     if cc is None or not cpu_native.native_enabled():
         pytest.skip("no C compiler, or the native kernels are turned off")
@@ -73,9 +73,11 @@ def test_native_kernel_tests_pass_under_asan_and_ubsan() -> None:
     env = dict(os.environ)
     env.update(
         LD_PRELOAD=":".join([*runtimes, *filter(None, [env.get("LD_PRELOAD")])]),  # type: ignore[list-item]
-        ASAN_OPTIONS="detect_leaks=0",
+        # Reports to files: a report on stderr dies with the child pytest's capture of it
+        # when the sanitizer ends the process.
+        ASAN_OPTIONS=f"detect_leaks=0:log_path={tmp_path / 'asan'}",
         CUDA_VISIBLE_DEVICES="",
-        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+        UBSAN_OPTIONS=f"halt_on_error=1:print_stacktrace=1:log_path={tmp_path / 'ubsan'}",
         **{cpu_native.SANITIZE_ENV: "address,undefined"},
     )
     # A loaded machine (a full test run beside other work) builds the sanitized library
@@ -87,7 +89,9 @@ def test_native_kernel_tests_pass_under_asan_and_ubsan() -> None:
          "not portable_build", *TESTS],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip
-    output = proc.stdout[-6000:] + proc.stderr[-6000:]
+    reports = "".join(p.read_text(errors="replace")[-6000:] for p in sorted(tmp_path.iterdir()))
+    output = proc.stdout[-6000:] + proc.stderr[-6000:] + reports
+    assert not reports, output
     assert proc.returncode == 0, output
     assert "passed" in proc.stdout, output
     # Skipped only where this CPU lacks what a test needs (AVX512-BF16: oneDNN's bf16 and the

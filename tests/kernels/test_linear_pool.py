@@ -139,6 +139,7 @@ def test_quiesce_waits_for_a_helper_still_inside_an_item(preempted_helpers: None
     assert LIB is not None
     layer = _linear(8192, 256, seed=3)
     x = torch.randn(1, 256).to(torch.bfloat16)
+    strict = linear_cpu.set_pool_strict(False)  # jobs return before their helpers leave
     linear_cpu.delay_pool_helpers(200_000_000)  # 0.2 s: the call returns long before
     busy = False
     for _ in range(1000):  # until a helper has claimed an item (when it wakes is the machine's)
@@ -151,3 +152,17 @@ def test_quiesce_waits_for_a_helper_still_inside_an_item(preempted_helpers: None
     assert busy
     assert LIB.pool_quiesce(5000) == 1  # and it leaves it
     linear_cpu.quiesce_pool()
+    linear_cpu.set_pool_strict(strict)
+
+
+def test_strict_jobs_return_with_no_helper_inside_an_item(preempted_helpers: None) -> None:
+    """Strict mode (the test suite's): a job returns only once its helpers are out of it."""
+    layer = _linear(8192, 256, seed=4)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    strict = linear_cpu.set_pool_strict(True)
+    try:
+        for _ in range(50):
+            layer(x)
+            assert LIB is not None and LIB.pool_quiesce(0) == 1
+    finally:
+        linear_cpu.set_pool_strict(strict)
