@@ -187,6 +187,74 @@ class CacheConfig:
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
 
+# What `speculative_config=` takes (docs/speculative.md): the methods, and the most draft
+# tokens a step may verify per request.
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """n-gram speculative decoding (vLLM's `speculative_config` names): each decode step
+    drafts up to `num_speculative_tokens` tokens from the longest match, of
+    `prompt_lookup_min` to `prompt_lookup_max` tokens, of the request's last tokens earlier in
+    its own prompt and output, and the model verifies them in the same forward."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        """ValueError naming the field whose value this config can't hold."""
+        _check_choice("speculative_config method", self.method, SPECULATIVE_METHODS)
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k!r} is invalid: must be an "
+                f"integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        _check_int("speculative_config prompt_lookup_min", self.prompt_lookup_min, 1)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if (
+            not isinstance(high, int)
+            or isinstance(high, bool)
+            or not low <= high <= MAX_PROMPT_LOOKUP
+        ):
+            raise ValueError(
+                f"speculative_config prompt_lookup_max={high!r} is invalid: must be an integer "
+                f"in [prompt_lookup_min ({low}), {MAX_PROMPT_LOOKUP}]"
+            )
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeConfig | None:
+        """The config of a `speculative_config=` keyword: None (off), a SpeculativeConfig, a
+        mapping of its fields or that mapping as a JSON string (the CLI's flag)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"speculative_config={value!r} is invalid: must be a dict such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))}: "
+                f"the fields are {', '.join(fields)}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits and the waiting-queue policy."""
@@ -195,6 +263,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str  # fcfs | priority | sjf (sched/request_queue.py)
+    speculative: SpeculativeConfig | None = None  # n-gram drafts (sched/spec_decode.py)
 
     def __post_init__(self) -> None:
         """ValueError naming the field whose value this config can't hold."""
@@ -202,6 +271,8 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1)
         _check_choice("scheduling_policy", self.policy, _POLICIES)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative={self.speculative!r} must be a SpeculativeConfig")
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +483,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
         **unknown: Any,
     ) -> EngineConfig:
         """The config of the keywords of `LLM(...)` / `AsyncLLM.from_pretrained(...)`.
@@ -454,6 +526,7 @@ class EngineConfig:
                 ),
                 max_model_len=model_config.max_model_len,
                 policy=scheduling_policy,
+                speculative=SpeculativeConfig.from_value(speculative_config),
             ),
             device_config=device_config,
             parallel_config=ParallelConfig(

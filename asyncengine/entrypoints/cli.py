@@ -125,6 +125,11 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                             help="quantize a Hugging Face checkpoint's linear weights at load: "
                                  "int8, per output channel, on the CPU (default: none; a GGUF "
                                  "file is quantized already)")),
+    ("--speculative-config", dict(dest="speculative_config", metavar="JSON",
+                                  help="speculative decoding, e.g. '{\"method\": \"ngram\", "
+                                       "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": "
+                                       "2, \"prompt_lookup_max\": 4}' (docs/speculative.md; "
+                                       "default: off)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)

@@ -125,6 +125,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_prefill_tokens: int = 0  # prompt (and recompute) tokens the model has computed
+    # Speculative decoding (docs/speculative.md): draft tokens verified, and how many of them
+    # the model accepted (each step also emits one token of its own per drafted request).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # With data parallel: the total above, and here each live rank's own snapshot (by rank).
     ranks: tuple[EngineStats, ...] = ()
     data_parallel_rank: int | None = None  # set on a rank's own snapshot
@@ -138,6 +142,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """The fraction of draft tokens accepted (0.0 with none drafted)."""
+        if self.num_draft_tokens == 0:
+            return 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens
 
     @classmethod
     def total(cls, ranks: list[EngineStats]) -> EngineStats:
@@ -154,6 +165,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             prefix_cache_queries=sum(r.prefix_cache_queries for r in ranks),
             prefix_cache_hits=sum(r.prefix_cache_hits for r in ranks),
             num_prefill_tokens=sum(r.num_prefill_tokens for r in ranks),
+            num_draft_tokens=sum(r.num_draft_tokens for r in ranks),
+            num_accepted_tokens=sum(r.num_accepted_tokens for r in ranks),
             ranks=tuple(ranks),
         )
 

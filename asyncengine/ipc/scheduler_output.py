@@ -54,6 +54,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished, aborted or preempted since the last step: drop them
     grammar_bitmask: GrammarBitmask | None = None  # None: no row of this step is constrained
+    # Speculative decoding: a decoding request's draft tokens, verified this step after its
+    # last token (num_scheduled_tokens counts them: 1 + len(drafts)). Absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -69,7 +72,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     """Tokens sampled in one step, one entry per scheduled request, in batch order."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # empty for a prefill chunk that did not reach the end
+    # Empty for a prefill chunk that did not reach the end; with drafts, the accepted ones
+    # and the model's own next token.
+    sampled_token_ids: list[list[int]]
     logprobs: list[LogprobsEntry | None] | None = None
     # Per request in batch order: the prompt logprobs this step computed, as
     # (prompt position of the first entry, entries); None where none.

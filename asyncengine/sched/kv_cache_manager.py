@@ -134,6 +134,20 @@ class KVCacheManager:
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def free_tail(self, request: Request) -> None:
+        """Release the request's blocks past the ones its ``num_computed_tokens`` fill
+        (speculative decoding's rollback: they hold only rejected drafts). Such blocks were
+        never hashed: only blocks full of the request's own tokens are."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        if self.num_cached_blocks.get(request.request_id, 0) > keep:
+            raise RuntimeError(f"request {request.request_id}: a cached block past its tokens")
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in token order (its block table row); [] if none."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -32,6 +32,7 @@ from asyncengine.request_limits import RequestLimits, check_token_ids
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.request import Request, RequestStatus
 from asyncengine.sched.request_queue import make_request_queue
+from asyncengine.sched.spec_decode import NgramSpeculator
 from asyncengine.sched.structured_outputs import StructuredOutputManager
 
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.finished_req_ids: list[str] = []  # since the last schedule(): workers drop them
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts and recomputes, in all
+        self.speculator = NgramSpeculator(config.speculative) if config.speculative else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -214,12 +216,20 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted = False
 
-        # 1. Running requests first: a decode token each, or their next prefill chunk.
+        spec_tokens: dict[str, list[int]] = {}
+
+        # 1. Running requests first: a decode token each (and its drafts, when speculating),
+        # or their next prefill chunk.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = self._drafts(request, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if new_block_ids is None and drafts:  # no room for the drafts: decode plainly
+                drafts = []
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            num_new += len(drafts)
             while new_block_ids is None:
                 victim = self.waiting.pick_victim(self.running)
                 self._preempt(victim)
@@ -233,6 +243,8 @@ class Scheduler:
                 CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
             )
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= num_new
             # A priority victim may have stood before `request`, shifting it left.
             i = self.running.index(request) + 1 if preempted else i + 1
@@ -241,6 +253,7 @@ class Scheduler:
             live = {r.request_id for r in self.running}
             cached_reqs = [c for c in cached_reqs if c.request_id in live]
             num_scheduled = {k: v for k, v in num_scheduled.items() if k in live}
+            spec_tokens = {k: v for k, v in spec_tokens.items() if k in live}
             budget = self.config.max_num_batched_tokens - sum(num_scheduled.values())
 
         # 2. Then waiting requests, unless this step already had to preempt.
@@ -292,9 +305,16 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             grammar_bitmask=self._grammar_bitmask(num_scheduled),
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = []
         return output
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding's draft tokens for `request` this step ([]: none)."""
+        if self.speculator is None:
+            return []
+        return self.speculator.draft(request, budget, self.config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -342,6 +362,11 @@ class Scheduler:
                 continue
             if request is None or not token_ids:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and self.speculator is not None:
+                self.speculator.rollback(
+                    request, len(drafts), len(token_ids), self.kv_cache_manager
+                )
             new_token_ids: list[int] = []
             error = None
             for token_id in token_ids:
@@ -417,6 +442,8 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -32,6 +32,7 @@ from asyncengine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.host_copy import to_device
 from asyncengine.worker.parallel import TensorParallelGroup
+from asyncengine.worker.rejection_sampler import accept_drafts, draft_states
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import (
     SamplingMetadata,
@@ -60,7 +61,10 @@ class _BatchInputs:
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S + P] packed positions: sampled ones, then the prompt's
+    # Per sampled row: its request (a request with drafts has 1 + len(drafts) rows in a row),
+    # and the sampling state of that position.
     sample_req_ids: list[str]
+    sample_states: list[SamplingRequestState]
     # Requests whose prompt logprobs this step computes, with logits rows S.. in order:
     # (batch row, the prompt position of its first target token, its target token ids, top-N).
     prompt_rows: list[tuple[int, int, list[int], int]]
@@ -257,8 +261,9 @@ class ModelRunner:
         keep = batch.logits_indices if self.is_driver else batch.logits_indices[:0]
         metadata = None
         if self.is_driver and batch.sample_req_ids:
-            states = [self.requests[r].sampling for r in batch.sample_req_ids]
-            metadata = build_sampling_metadata(states, self.model_config.vocab_size, self.device)
+            metadata = build_sampling_metadata(
+                batch.sample_states, self.model_config.vocab_size, self.device
+            )
         choice = None
         if metadata is not None and grammar_bitmask is None and not batch.prompt_rows:
             choice = self._token_choice(scheduler_output, metadata)
@@ -428,6 +433,9 @@ class ModelRunner:
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
+            # After speculative decoding's rollback, the scheduler freed the blocks past the
+            # computed tokens (sched/spec_decode.py); without drafts this drops nothing.
+            del state.block_ids[-(-cached.num_computed_tokens // self.block_size) :]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -436,10 +444,13 @@ class ModelRunner:
         num_reqs = len(req_ids)
         states = [self.requests[r] for r in req_ids]
         counts = list(scheduler_output.num_scheduled_tokens.values())
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        sample_indices: list[int] = []
+        sample_req_ids: list[str] = []
+        sample_states: list[SamplingRequestState] = []
         prompt_rows: list[tuple[int, int, list[int], int]] = []
         prompt_indices: list[int] = []
         hidden_indices: list[int] = []
@@ -448,6 +459,18 @@ class ModelRunner:
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)  # [B, max_blocks]
         for i, (state, n) in enumerate(zip(states, counts, strict=True)):
             start = state.num_computed_tokens
+            drafts = spec_tokens.get(req_ids[i]) if spec_tokens else None
+            if drafts:
+                # The last token and its drafts: every position's logits are sampled.
+                token_ids.append(state.token_ids[start])
+                token_ids.extend(drafts)
+                positions.append(np.arange(start, start + n, dtype=np.int64))
+                seq_lens.append(start + n)
+                block_table[i, : len(state.block_ids)] = state.block_ids
+                sample_indices.extend(range(len(token_ids) - n, len(token_ids)))
+                sample_req_ids.extend([req_ids[i]] * n)
+                sample_states.extend(draft_states(state.sampling, drafts))
+                continue
             token_ids.extend(state.token_ids[start : start + n])
             positions.append(np.arange(start, start + n, dtype=np.int64))
             seq_lens.append(start + n)
@@ -460,7 +483,9 @@ class ModelRunner:
                 hidden_indices.extend(rows)
                 continue
             if start + n == len(state.token_ids):
-                sample_rows.append(i)
+                sample_indices.append(len(token_ids) - 1)
+                sample_req_ids.append(req_ids[i])
+                sample_states.append(state.sampling)
             top_n = state.sampling.params.prompt_logprobs
             if top_n is not None and self.is_driver:
                 # Position p's logits give token p + 1's logprob, for the prompt's tokens.
@@ -474,13 +499,14 @@ class ModelRunner:
         query_start_loc = [0, *np.cumsum(counts).tolist()]
         dev = self.device
         attn = self._attention(self.kv_caches, block_table, pos, counts, query_start_loc, seq_lens)
-        logits_indices = [query_start_loc[i + 1] - 1 for i in sample_rows] + prompt_indices
+        logits_indices = sample_indices + prompt_indices
         return _BatchInputs(
             input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), dev),
             positions=_to_device(pos, dev),
             attn=attn,
             logits_indices=_to_device(np.asarray(logits_indices, dtype=np.int64), dev),
-            sample_req_ids=[req_ids[i] for i in sample_rows],
+            sample_req_ids=sample_req_ids,
+            sample_states=sample_states,
             prompt_rows=prompt_rows,
             hidden_indices=hidden_indices,
             pool_rows=pool_rows,
@@ -539,11 +565,21 @@ class ModelRunner:
                 # Every rank appends the driver's tokens, so the next step's inputs agree.
                 sampled = self.tp.broadcast_token_ids(sampled, len(sample_req_ids))
             assert sampled is not None
-            for req_id, token_id in zip(sample_req_ids, sampled, strict=True):
+            spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+            row = 0
+            while row < len(sample_req_ids):
+                req_id = sample_req_ids[row]
                 state = self.requests[req_id]
-                state.token_ids.append(token_id)
-                state.sampling.output_token_ids.append(token_id)
-                sampled_by_req[req_id] = [token_id]
+                drafts = spec_tokens.get(req_id) if spec_tokens else None
+                if drafts:  # its 1 + len(drafts) rows: the accepted drafts, and one more
+                    emitted = accept_drafts(drafts, sampled[row : row + len(drafts) + 1])
+                    row += len(drafts) + 1
+                else:
+                    emitted = [sampled[row]]
+                    row += 1
+                state.token_ids.extend(emitted)
+                state.sampling.output_token_ids.extend(emitted)
+                sampled_by_req[req_id] = emitted
             if sampler_out is not None and sampler_out.logprobs is not None:
                 states = [self.requests[r].sampling for r in sample_req_ids]
                 logprobs_by_req = _logprobs_entries(sample_req_ids, states, sampler_out)

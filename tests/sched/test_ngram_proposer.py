@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.worker.ngram_proposer import propose
+from asyncengine.sched.ngram_proposer import propose
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,6 @@
-"""n-gram (prompt lookup) drafts for speculative decoding (issue 36; the verify step that uses
-them is still to come): the tokens that followed the last occurrence of a request's
-most recent tokens, earlier in its own prompt and output (vLLM's `ngram` method, llama.cpp's
-lookup decoding).
+"""n-gram (prompt lookup) drafts for speculative decoding (sched/spec_decode.py): the tokens
+that followed the last occurrence of a request's most recent tokens, earlier in its own prompt
+and output (vLLM's `ngram` method, llama.cpp's lookup decoding).
 
 `propose(tokens, k, min_n, max_n)` looks for the longest suffix of `tokens` of `max_n` down to
 `min_n` tokens that occurs earlier in `tokens`, takes its latest earlier occurrence, and returns

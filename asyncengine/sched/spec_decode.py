@@ -1,0 +1,90 @@
+"""Speculative decoding's scheduler side: n-gram drafts in, accepted tokens out, KV rolled back.
+
+A decoding request (its last token not yet computed) gets up to `num_speculative_tokens`
+draft tokens from `ngram_proposer.propose` over its own prompt and output. The step schedules
+its last token and the drafts, 1 + len(drafts) positions, like a short prefill chunk; the
+runner verifies the drafts (worker/rejection_sampler.py) and returns the accepted ones plus
+one token of the model's own. Then `rollback` puts the request back where the accepted tokens
+leave it: its computed count drops by the rejected drafts, and the KV blocks past it (which
+hold only rejected drafts' K/V) go back to the pool.
+
+The prefix cache never sees a draft: blocks are hashed from the request's own tokens (drafts
+are not among them until accepted), and only blocks full of them.
+
+Not speculated (they decode one token a step, as without speculation):
+- structured outputs: drafts are not checked against the grammar (issue 36 allows this);
+- requests that want logprobs: their per-token entries would need a wire change;
+- embedding requests, which never decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncengine.config import SpeculativeConfig
+from asyncengine.sched.kv_cache_manager import KVCacheManager
+from asyncengine.sched.ngram_proposer import propose
+from asyncengine.sched.request import Request
+
+
+@dataclass(slots=True)
+class NgramSpeculator:
+    """Drafts for the scheduler's decoding requests, and the counts `statistics()` reports."""
+
+    config: SpeculativeConfig
+    num_draft_tokens: int = 0  # drafted and verified, in all
+    num_accepted_tokens: int = 0
+    # Per draft position (0 = first draft token): how often one was drafted, and accepted.
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        k = self.config.num_speculative_tokens
+        self.drafted_per_position = [0] * k
+        self.accepted_per_position = [0] * k
+
+    def draft(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """Up to `num_speculative_tokens` drafts for `request`, when it decodes this step;
+        [] when it may not speculate (see the module docstring) or has no room: the step's
+        token `budget` counts its own token too, every draft needs a position below
+        `max_model_len`, and the step emits up to 1 + len(drafts) of its `max_tokens`."""
+        if request.num_computed_tokens != request.num_tokens - 1 or not _may_speculate(request):
+            return []
+        room = min(
+            self.config.num_speculative_tokens,
+            budget - 1,
+            max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        cfg = self.config
+        return propose(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def rollback(
+        self,
+        request: Request,
+        num_drafts: int,
+        num_emitted: int,
+        kv_cache_manager: KVCacheManager,
+    ) -> None:
+        """After a step that verified `num_drafts` drafts of `request` and emitted
+        `num_emitted` tokens (the accepted drafts and one more), before they are appended:
+        forget the rejected drafts' positions and free the blocks only they used."""
+        num_accepted = max(0, min(num_emitted - 1, num_drafts))
+        request.num_computed_tokens -= num_drafts - num_accepted
+        kv_cache_manager.free_tail(request)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+def _may_speculate(request: Request) -> bool:
+    return (
+        request.grammar is None
+        and request.pooling is None
+        and request.sampling_params.logprobs is None
+    )
