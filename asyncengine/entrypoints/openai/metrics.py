@@ -213,6 +213,13 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "prefix_cache_hits"),
     ("num_preemptions_total", "counter", "Requests preempted to free KV cache blocks.",
      "num_preemptions"),
+    ("spec_decode_num_draft_tokens_total", "counter",
+     "Speculative decoding: draft tokens verified.", "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens_total", "counter",
+     "Speculative decoding: draft tokens accepted.", "num_accepted_tokens"),
+    ("spec_decode_acceptance_rate", "gauge",
+     "Speculative decoding: fraction of draft tokens accepted, since start.",
+     "spec_acceptance_rate"),
 )  # fmt: skip
 
 
