@@ -129,6 +129,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # the model accepted (each step also emits one token of its own per drafted request).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_spec_turn_downs: int = 0  # times a request's failing drafts paused its drafting
     # With data parallel: the total above, and here each live rank's own snapshot (by rank).
     ranks: tuple[EngineStats, ...] = ()
     data_parallel_rank: int | None = None  # set on a rank's own snapshot
@@ -167,6 +168,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             num_prefill_tokens=sum(r.num_prefill_tokens for r in ranks),
             num_draft_tokens=sum(r.num_draft_tokens for r in ranks),
             num_accepted_tokens=sum(r.num_accepted_tokens for r in ranks),
+            num_spec_turn_downs=sum(r.num_spec_turn_downs for r in ranks),
             ranks=tuple(ranks),
         )
 

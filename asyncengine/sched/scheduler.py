@@ -119,6 +119,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.kv_cache_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         self.finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
 
@@ -431,7 +433,7 @@ class Scheduler:
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot of the queues, the KV blocks and the prefix cache's hits."""
-        kv = self.kv_cache_manager
+        kv, spec = self.kv_cache_manager, self.speculator
         return EngineStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -442,8 +444,9 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
-            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            num_spec_turn_downs=spec.num_turn_downs if spec else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

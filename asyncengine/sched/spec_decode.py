@@ -11,6 +11,11 @@ hold only rejected drafts' K/V) go back to the pool.
 The prefix cache never sees a draft: blocks are hashed from the request's own tokens (drafts
 are not among them until accepted), and only blocks full of them.
 
+Turn-down: a request whose last `WINDOW_TOKENS` drafts were accepted less than
+`MIN_ACCEPTANCE` of the time stops drafting for its next `PAUSE_STEPS` decode steps (each
+drafted step computes 1 + k positions, which costs time in a batch; and the proposer's search
+is skipped too), then tries again.
+
 Not speculated (they decode one token a step, as without speculation):
 - structured outputs: drafts are not checked against the grammar (issue 36 allows this);
 - requests that want logprobs: their per-token entries would need a wire change;
@@ -26,6 +31,19 @@ from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.ngram_proposer import propose
 from asyncengine.sched.request import Request
 
+WINDOW_TOKENS = 16
+MIN_ACCEPTANCE = 0.25
+PAUSE_STEPS = 32
+
+
+@dataclass(slots=True)
+class _Window:
+    """One request's drafts since its window began, and the decode steps it still sits out."""
+
+    drafted: int = 0
+    accepted: int = 0
+    paused_steps: int = 0
+
 
 @dataclass(slots=True)
 class NgramSpeculator:
@@ -37,6 +55,8 @@ class NgramSpeculator:
     # Per draft position (0 = first draft token): how often one was drafted, and accepted.
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    num_turn_downs: int = 0  # windows after which a request stopped drafting for a while
+    _windows: dict[str, _Window] = field(default_factory=dict)  # by request id
 
     def __post_init__(self) -> None:
         k = self.config.num_speculative_tokens
@@ -49,6 +69,10 @@ class NgramSpeculator:
         token `budget` counts its own token too, every draft needs a position below
         `max_model_len`, and the step emits up to 1 + len(drafts) of its `max_tokens`."""
         if request.num_computed_tokens != request.num_tokens - 1 or not _may_speculate(request):
+            return []
+        window = self._windows.get(request.request_id)
+        if window is not None and window.paused_steps > 0:
+            window.paused_steps -= 1
             return []
         room = min(
             self.config.num_speculative_tokens,
@@ -80,6 +104,18 @@ class NgramSpeculator:
             self.drafted_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        window = self._windows.setdefault(request.request_id, _Window())
+        window.drafted += num_drafts
+        window.accepted += num_accepted
+        if window.drafted >= WINDOW_TOKENS:
+            if window.accepted < MIN_ACCEPTANCE * window.drafted:
+                window.paused_steps = PAUSE_STEPS
+                self.num_turn_downs += 1
+            window.drafted = window.accepted = 0
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's window."""
+        self._windows.pop(request_id, None)
 
 
 def _may_speculate(request: Request) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.entrypoints import cli
+from asyncengine.entrypoints.openai.metrics import ServerMetrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,3 +161,16 @@ def test_the_cli_flag_passes_the_json_on() -> None:
     assert cli.engine_kwargs_from_args(args) == {
         "speculative_config": '{"num_speculative_tokens": 2}'
     }
+
+
+def test_metrics_show_the_drafts(engines: tuple[LLM, LLM]) -> None:
+    stats = engines[1].statistics()
+    text = ServerMetrics("tiny").render(stats)
+    labels = '{model_name="tiny",engine="0"}'
+    assert (
+        f"asyncengine_spec_decode_num_draft_tokens_total{labels} {stats.num_draft_tokens}" in text
+    )
+    accepted = stats.num_accepted_tokens
+    assert f"asyncengine_spec_decode_num_accepted_tokens_total{labels} {accepted}" in text
+    rate = stats.spec_acceptance_rate
+    assert f"asyncengine_spec_decode_acceptance_rate{labels} {rate!r}" in text

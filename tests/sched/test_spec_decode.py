@@ -23,6 +23,7 @@ from asyncengine.ipc.serial import decode_config, encode_config
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.scheduler import Scheduler
+from asyncengine.sched.spec_decode import PAUSE_STEPS, WINDOW_TOKENS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -299,3 +300,32 @@ def test_rejected_drafts_give_their_blocks_back() -> None:
     assert len(kv.get_block_ids("a")) == 5
     assert kv.num_free_blocks == free + 1
     assert sched.statistics().num_accepted_tokens == 2
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_for_a_while() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    sched = _decoding(SPEC, params, prompt=(1, 2, 3) * 4)
+    speculator = sched.speculator
+    assert speculator is not None
+    drafted: list[int] = []  # per step, the drafts the request got
+    for _step in range(4 + PAUSE_STEPS + 2):
+        out = sched.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        drafted.append(len(drafts))
+        # The model never takes a draft, but its tokens keep matching earlier ones.
+        token = 2 if drafts and drafts[0] == 1 else 1
+        sched.update_from_output(out, ModelRunnerOutput(["a"], [[token]]))
+        if speculator.num_turn_downs:
+            break
+    # Every step drafted until a window's worth of drafts failed...
+    assert all(drafted) and sum(drafted) >= WINDOW_TOKENS > sum(drafted[:-1])
+    # ...then it decodes plainly for PAUSE_STEPS steps, and drafts again.
+    paused = []
+    for _step in range(PAUSE_STEPS + 1):
+        out = sched.schedule()
+        paused.append(len(out.scheduled_spec_decode_tokens.get("a", [])))
+        sched.update_from_output(out, ModelRunnerOutput(["a"], [[1]]))
+    assert paused[:PAUSE_STEPS] == [0] * PAUSE_STEPS and paused[-1] > 0
+    assert sched.statistics().num_spec_turn_downs == 1
+    sched.abort_requests(["a"])
+    assert not speculator._windows  # forgotten with its request
