@@ -329,3 +329,12 @@ def test_a_request_whose_drafts_fail_stops_drafting_for_a_while() -> None:
     assert sched.statistics().num_spec_turn_downs == 1
     sched.abort_requests(["a"])
     assert not speculator._windows  # forgotten with its request
+
+
+def test_a_structured_output_request_decodes_unspeculated() -> None:
+    """Its drafts would not be checked against its grammar (docs/speculative.md)."""
+    sched = _decoding(SPEC, SamplingParams(temperature=0.0, max_tokens=20))
+    sched.requests["a"].grammar = object()  # type: ignore[assignment]  # any grammar at all
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {}
+    assert out.num_scheduled_tokens == {"a": 1}
