@@ -15,6 +15,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.entrypoints import cli
 from asyncengine.entrypoints.openai.metrics import ServerMetrics
+from asyncengine.model import decode_layers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -174,3 +175,47 @@ def test_metrics_show_the_drafts(engines: tuple[LLM, LLM]) -> None:
     assert f"asyncengine_spec_decode_num_accepted_tokens_total{labels} {accepted}" in text
     rate = stats.spec_acceptance_rate
     assert f"asyncengine_spec_decode_acceptance_rate{labels} {rate!r}" in text
+
+
+def test_tensor_parallel_ranks_agree_on_the_accepted_tokens(tiny_llama: Path) -> None:
+    """Every rank builds the same verify rows and the driver's tokens reach them all."""
+    for pair in _engines(tiny_llama, tensor_parallel_size=2):
+        accepted, _ = _compare(pair, SamplingParams(temperature=0.0, max_tokens=30))
+        assert accepted > 0
+
+
+def test_the_native_decode_call_verifies_drafts_in_bf16(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the lean CPU path a bf16 model's steps of a few tokens run in one native call
+    (model/decode_layers.py), which takes several query tokens per sequence: a verify row
+    (1 + k tokens after its cached context) runs there too. One request and k = 3, so a
+    verify step fits the call's row limit on every CPU (4 where AMX is)."""
+    native_steps = verify_steps = 0
+    real = decode_layers.NativeDecodeLayers.__call__
+
+    def spy(layers: Any, residual: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
+        nonlocal native_steps, verify_steps
+        out = real(layers, residual, cos, sin, attn)
+        if out is not None:
+            plan = attn.plan
+            lens = zip(plan.q_lens.tolist(), plan.seq_lens.tolist(), strict=True)
+            native_steps += 1
+            verify_steps += any(1 < q < s for q, s in lens)
+        return out
+
+    monkeypatch.setattr(decode_layers.NativeDecodeLayers, "__call__", spy)
+    config = {**SPEC, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = []
+    for kw in ({}, {"speculative_config": config}):
+        llm = LLM(tiny_llama, device="cpu", dtype="bfloat16", **kw)
+        got.append(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids)
+        stats = llm.statistics()
+        llm.shutdown()
+    if native_steps == 0:
+        pytest.skip("the native decode call does not run here (no native bf16 kernels)")
+    assert stats.num_accepted_tokens > 0 and verify_steps > 0
+    # (The tokens also equal the unspeculated ones here, but bf16 exactness is not promised:
+    # a k-row product may round differently from a one-row one on other kernels.)
+    assert len(got[1]) == len(got[0])
