@@ -75,7 +75,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # Empty for a prefill chunk that did not reach the end; with drafts, the accepted ones
     # and the model's own next token.
     sampled_token_ids: list[list[int]]
-    logprobs: list[LogprobsEntry | None] | None = None
+    # Per request in batch order: one entry per sampled token; None where none.
+    logprobs: list[list[LogprobsEntry] | None] | None = None
     # Per request in batch order: the prompt logprobs this step computed, as
     # (prompt position of the first entry, entries); None where none.
     prompt_logprobs: list[tuple[int, list[LogprobsEntry]] | None] | None = None

@@ -392,12 +392,13 @@ class Scheduler:
                 if request.grammar is not None and request.grammar.is_terminated:
                     request.finish_reason = FinishReason.STOP  # ignore_eos: the grammar ended
                     break
-            entry = logprobs[idx] if logprobs is not None else None
+            entries = logprobs[idx] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=[entry] if entry is not None else None,
+                    # Cut where a stop cut the tokens (several, with speculative decoding).
+                    new_logprobs=entries[: len(new_token_ids)] if entries is not None else None,
                     new_prompt_logprobs=prompt_entries,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,

@@ -18,7 +18,6 @@ is skipped too), then tries again.
 
 Not speculated (they decode one token a step, as without speculation):
 - structured outputs: drafts are not checked against the grammar (issue 36 allows this);
-- requests that want logprobs: their per-token entries would need a wire change;
 - embedding requests, which never decode.
 """
 
@@ -119,8 +118,4 @@ class NgramSpeculator:
 
 
 def _may_speculate(request: Request) -> bool:
-    return (
-        request.grammar is None
-        and request.pooling is None
-        and request.sampling_params.logprobs is None
-    )
+    return request.grammar is None and request.pooling is None

@@ -544,7 +544,7 @@ class ModelRunner:
         metadata: SamplingMetadata | None,  # the driver's, where rows are sampled
     ) -> ModelRunnerOutput:
         sampled_by_req: dict[str, list[int]] = {}
-        logprobs_by_req: dict[str, LogprobsEntry] = {}
+        logprobs_by_req: dict[str, list[LogprobsEntry]] = {}
         if sample_req_ids:
             sampler_out: SamplerOutput | None = None
             sampled: list[int] | None = None
@@ -582,7 +582,9 @@ class ModelRunner:
                 sampled_by_req[req_id] = emitted
             if sampler_out is not None and sampler_out.logprobs is not None:
                 states = [self.requests[r].sampling for r in sample_req_ids]
-                logprobs_by_req = _logprobs_entries(sample_req_ids, states, sampler_out)
+                logprobs_by_req = _logprobs_entries(
+                    sample_req_ids, states, sampler_out, sampled_by_req
+                )
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -592,18 +594,26 @@ class ModelRunner:
 
 
 def _logprobs_entries(
-    req_ids: list[str], states: list[SamplingRequestState], out: SamplerOutput
-) -> dict[str, LogprobsEntry]:
+    req_ids: list[str],  # per sampled row: a request with drafts has several rows in a row
+    states: list[SamplingRequestState],
+    out: SamplerOutput,
+    emitted: dict[str, list[int]],  # each request's tokens this step
+) -> dict[str, list[LogprobsEntry]]:
+    """The logprobs entries of the tokens each request emits, one per token: its rows' first
+    ones (a request's emitted tokens are the tokens sampled at its first rows)."""
     assert out.logprob_token_ids is not None and out.logprobs is not None
     assert out.sampled_token_ranks is not None
     ids = out.logprob_token_ids.tolist()
     lps = out.logprobs.tolist()
     ranks = out.sampled_token_ranks.tolist()
-    entries: dict[str, LogprobsEntry] = {}
+    entries: dict[str, list[LogprobsEntry]] = {}
     for row, (req_id, state) in enumerate(zip(req_ids, states, strict=True)):
         n = state.params.logprobs
-        if n is not None:
-            entries[req_id] = (ids[row][: n + 1], lps[row][: n + 1], int(ranks[row]))
+        if n is None:
+            continue
+        mine = entries.setdefault(req_id, [])
+        if len(mine) < len(emitted[req_id]):
+            mine.append((ids[row][: n + 1], lps[row][: n + 1], int(ranks[row])))
     return entries
 
 

@@ -270,7 +270,6 @@ def test_drafts_fit_max_tokens_and_the_budget() -> None:
 @pytest.mark.parametrize(
     ("params", "budget"),
     [
-        (SamplingParams(temperature=0.0, max_tokens=20, logprobs=2), 64),  # not on the wire
         (SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), 64),  # one to go
         (SamplingParams(temperature=0.0, max_tokens=20), 1),  # no budget for a draft
     ],
