@@ -219,6 +219,8 @@ class Scheduler:
         preempted = False
 
         spec_tokens: dict[str, list[int]] = {}
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.running))
 
         # 1. Running requests first: a decode token each (and its drafts, when speculating),
         # or their next prefill chunk.

@@ -11,7 +11,12 @@ hold only rejected drafts' K/V) go back to the pool.
 The prefix cache never sees a draft: blocks are hashed from the request's own tokens (drafts
 are not among them until accepted), and only blocks full of them.
 
-Turn-down: a request whose last `WINDOW_TOKENS` drafts were accepted less than
+Turn-down, engine-wide: a step drafts only while its decode rows and drafts together stay
+within `MAX_STEP_TOKENS`; past that, each extra row costs real time (the lm_head alone is a
+fifth of a small model's weights, and every drafted position needs its logits), so a large
+batch decodes plainly. The first running requests get the drafts.
+
+Turn-down, per request: a request whose last `WINDOW_TOKENS` drafts were accepted less than
 `MIN_ACCEPTANCE` of the time stops drafting for its next `PAUSE_STEPS` decode steps (each
 drafted step computes 1 + k positions, which costs time in a batch; and the proposer's search
 is skipped too), then tries again.
@@ -30,6 +35,10 @@ from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.ngram_proposer import propose
 from asyncengine.sched.request import Request
 
+# Measured on SmolLM2-135M, bf16, 2 shared Zen cores (benchmarks/speculative.py, 2026-11-27):
+# a step of 4 decode rows took ~1.5x one of 1 row, 8 rows ~2x; at 16 streams, k = 4 drafts
+# each (80 rows) ran at 0.90x without a cap.
+MAX_STEP_TOKENS = 8
 WINDOW_TOKENS = 16
 MIN_ACCEPTANCE = 0.25
 PAUSE_STEPS = 32
@@ -56,11 +65,17 @@ class NgramSpeculator:
     accepted_per_position: list[int] = field(default_factory=list)
     num_turn_downs: int = 0  # windows after which a request stopped drafting for a while
     _windows: dict[str, _Window] = field(default_factory=dict)  # by request id
+    _step_room: int = 0  # drafts the current step may still take (begin_step)
 
     def __post_init__(self) -> None:
         k = self.config.num_speculative_tokens
         self.drafted_per_position = [0] * k
         self.accepted_per_position = [0] * k
+
+    def begin_step(self, num_running: int) -> None:
+        """A step with `num_running` requests running begins: it may draft up to
+        `MAX_STEP_TOKENS` - `num_running` tokens in all."""
+        self._step_room = MAX_STEP_TOKENS - num_running
 
     def draft(self, request: Request, budget: int, max_model_len: int) -> list[int]:
         """Up to `num_speculative_tokens` drafts for `request`, when it decodes this step;
@@ -75,6 +90,7 @@ class NgramSpeculator:
             return []
         room = min(
             self.config.num_speculative_tokens,
+            self._step_room,
             budget - 1,
             max_model_len - request.num_tokens,
             request.max_tokens - request.num_output_tokens - 1,
@@ -82,7 +98,9 @@ class NgramSpeculator:
         if room <= 0:
             return []
         cfg = self.config
-        return propose(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = propose(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self._step_room -= len(drafts)
+        return drafts
 
     def rollback(
         self,

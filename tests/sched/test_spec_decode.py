@@ -23,7 +23,7 @@ from asyncengine.ipc.serial import decode_config, encode_config
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.scheduler import Scheduler
-from asyncengine.sched.spec_decode import PAUSE_STEPS, WINDOW_TOKENS
+from asyncengine.sched.spec_decode import MAX_STEP_TOKENS, PAUSE_STEPS, WINDOW_TOKENS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,14 +281,14 @@ def test_some_steps_decode_unspeculated(params: SamplingParams, budget: int) -> 
 
 
 def test_rejected_drafts_give_their_blocks_back() -> None:
-    spec = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=3)
+    spec = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_max=3)
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     sched = _decoding(spec, params, prompt=(*range(1, 13), 1, 2))
     kv = sched.kv_cache_manager
     out = sched.schedule()
-    # Tokens 1..12 1 2 3: "1 2 3" occurred at the start, and 4..11 followed it. 14 tokens
-    # computed, and 1 + 8 positions more, in 6 blocks of 4.
-    assert out.scheduled_spec_decode_tokens == {"a": list(range(4, 12))}
+    # Tokens 1..12 1 2 3: "1 2 3" occurred at the start, and 4..9 followed it. 14 tokens
+    # computed, and 1 + 6 positions more, in 6 blocks of 4.
+    assert out.scheduled_spec_decode_tokens == {"a": list(range(4, 10))}
     assert len(kv.get_block_ids("a")) == 6
     free = kv.num_free_blocks
     # The model takes two of them, then its own token: 17 computed, 18 tokens, 5 blocks.
@@ -337,3 +337,20 @@ def test_a_structured_output_request_decodes_unspeculated() -> None:
     out = sched.schedule()
     assert out.scheduled_spec_decode_tokens == {}
     assert out.num_scheduled_tokens == {"a": 1}
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 3, MAX_STEP_TOKENS, MAX_STEP_TOKENS + 2])
+def test_a_large_batch_drafts_less_then_not_at_all(num_requests: int) -> None:
+    """A step's decode rows and drafts stay within MAX_STEP_TOKENS: extra rows cost time."""
+    spec = SpeculativeConfig(num_speculative_tokens=16, prompt_lookup_max=3)
+    sched = _scheduler(200, 512, 16, spec, True)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for i in range(num_requests):
+        sched.add_request(EngineCoreRequest(f"r{i}", list(range(1, 30)) * 2, params, float(i)))
+    out = sched.schedule()  # the prompts
+    emitted = [[1] for _ in out.num_scheduled_tokens]
+    sched.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens), emitted))
+    out = sched.schedule()
+    num_drafts = sum(len(d) for d in out.scheduled_spec_decode_tokens.values())
+    assert num_drafts == max(0, MAX_STEP_TOKENS - num_requests)
+    assert out.total_num_scheduled_tokens == max(MAX_STEP_TOKENS, num_requests)
