@@ -34,6 +34,19 @@ def test_examples() -> None:
     assert propose([1, 2, 1], 0, 1, 2) == []
     assert propose([1], 3, 1, 2) == []
     assert propose([1, 2, 3, 1, 2], 5, 3, 4) == []  # below min_n
+    # The search runs over the tokens' bytes: a match across two tokens' bytes is none.
+    assert propose([0, 1, 5, 1 << 56], 2, 1, 1) == []
+    assert propose([0, 1, 1 << 56, 7, 1 << 56], 2, 1, 1) == [7, 1 << 56]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.sampled_from([0, 1, 256, 1 << 8, 1 << 56, 2**40 + 1]), max_size=30),
+    k=st.integers(1, 4),
+    min_n=st.integers(1, 3),
+)
+def test_large_ids_match_only_whole_tokens(tokens: list[int], k: int, min_n: int) -> None:
+    assert propose(tokens, k, min_n, min_n + 1) == _brute(tokens, k, min_n, min_n + 1)
 
 
 def test_bad_bounds_are_refused() -> None:
