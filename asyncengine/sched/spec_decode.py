@@ -14,7 +14,8 @@ are not among them until accepted), and only blocks full of them.
 Turn-down, engine-wide: a step drafts only while its decode rows and drafts together stay
 within `MAX_STEP_TOKENS`; past that, each extra row costs real time (the lm_head alone is a
 fifth of a small model's weights, and every drafted position needs its logits), so a large
-batch decodes plainly. The first running requests get the drafts.
+batch decodes plainly. The step's drafts are shared out evenly: the first drafts of a request
+are the likeliest to be accepted.
 
 Turn-down, per request: a request whose last `WINDOW_TOKENS` drafts were accepted less than
 `MIN_ACCEPTANCE` of the time stops drafting for its next `PAUSE_STEPS` decode steps (each
@@ -66,6 +67,7 @@ class NgramSpeculator:
     num_turn_downs: int = 0  # windows after which a request stopped drafting for a while
     _windows: dict[str, _Window] = field(default_factory=dict)  # by request id
     _step_room: int = 0  # drafts the current step may still take (begin_step)
+    _step_share: int = 0  # the most one request may take of them
 
     def __post_init__(self) -> None:
         k = self.config.num_speculative_tokens
@@ -74,8 +76,9 @@ class NgramSpeculator:
 
     def begin_step(self, num_running: int) -> None:
         """A step with `num_running` requests running begins: it may draft up to
-        `MAX_STEP_TOKENS` - `num_running` tokens in all."""
+        `MAX_STEP_TOKENS` - `num_running` tokens in all, an even share of them each."""
         self._step_room = MAX_STEP_TOKENS - num_running
+        self._step_share = -(-self._step_room // max(num_running, 1))
 
     def draft(self, request: Request, budget: int, max_model_len: int) -> list[int]:
         """Up to `num_speculative_tokens` drafts for `request`, when it decodes this step;
@@ -91,6 +94,7 @@ class NgramSpeculator:
         room = min(
             self.config.num_speculative_tokens,
             self._step_room,
+            self._step_share,
             budget - 1,
             max_model_len - request.num_tokens,
             request.max_tokens - request.num_output_tokens - 1,
