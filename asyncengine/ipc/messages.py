@@ -8,6 +8,8 @@ no cycles); they are decoded with typed decoders, never pickled.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -130,6 +132,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_turn_downs: int = 0  # times a request's failing drafts paused its drafting
+    # Per draft position (0: a step's first draft): drafts verified there, and accepted.
+    spec_drafts_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
     # With data parallel: the total above, and here each live rank's own snapshot (by rank).
     ranks: tuple[EngineStats, ...] = ()
     data_parallel_rank: int | None = None  # set on a rank's own snapshot
@@ -169,8 +174,15 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             num_draft_tokens=sum(r.num_draft_tokens for r in ranks),
             num_accepted_tokens=sum(r.num_accepted_tokens for r in ranks),
             num_spec_turn_downs=sum(r.num_spec_turn_downs for r in ranks),
+            spec_drafts_per_position=_add_up(r.spec_drafts_per_position for r in ranks),
+            spec_accepted_per_position=_add_up(r.spec_accepted_per_position for r in ranks),
             ranks=tuple(ranks),
         )
+
+
+def _add_up(rows: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """Element-wise sums of tuples (of any lengths)."""
+    return tuple(sum(column) for column in itertools.zip_longest(*rows, fillvalue=0))
 
 
 # ---- input frames: [request type (one byte), payload] -----------------------------------------

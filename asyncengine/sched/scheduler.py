@@ -450,6 +450,8 @@ class Scheduler:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             num_spec_turn_downs=spec.num_turn_downs if spec else 0,
+            spec_drafts_per_position=tuple(spec.drafted_per_position) if spec else (),
+            spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -12,10 +12,9 @@ The prefix cache never sees a draft: blocks are hashed from the request's own to
 are not among them until accepted), and only blocks full of them.
 
 Turn-down, engine-wide: a step drafts only while its decode rows and drafts together stay
-within `MAX_STEP_TOKENS`; past that, each extra row costs real time (the lm_head alone is a
-fifth of a small model's weights, and every drafted position needs its logits), so a large
-batch decodes plainly. The step's drafts are shared out evenly: the first drafts of a request
-are the likeliest to be accepted.
+within `MAX_STEP_TOKENS`; past that, each extra row costs real time (measured: see the
+constant), so a large batch decodes plainly. The step's drafts are shared out evenly: the
+first drafts of a request are the likeliest to be accepted.
 
 Turn-down, per request: a request whose last `WINDOW_TOKENS` drafts were accepted less than
 `MIN_ACCEPTANCE` of the time stops drafting for its next `PAUSE_STEPS` decode steps (each
