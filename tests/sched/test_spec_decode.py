@@ -8,6 +8,7 @@ must be equal token for token, and every KV block must come back.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from asyncengine.ipc.messages import EngineCoreRequest, FinishReason
+from asyncengine.ipc.messages import EngineCoreRequest, EngineStats, FinishReason
 from asyncengine.ipc.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.ipc.serial import decode_config, encode_config
 from asyncengine.sampling_params import SamplingParams
@@ -234,10 +235,14 @@ def test_drafts_are_accepted_and_counted() -> None:
     assert stats.num_accepted_tokens > 0
     assert 0.0 < stats.spec_acceptance_rate <= 1.0
     assert plain_sched.statistics().num_draft_tokens == 0
-    speculator = sched.speculator
-    assert speculator is not None
-    assert sum(speculator.accepted_per_position) == stats.num_accepted_tokens
-    assert sum(speculator.drafted_per_position) == stats.num_draft_tokens
+    assert sum(stats.spec_accepted_per_position) == stats.num_accepted_tokens
+    assert sum(stats.spec_drafts_per_position) == stats.num_draft_tokens
+    assert len(stats.spec_drafts_per_position) == SPEC.num_speculative_tokens
+    # A later position is drafted, and accepted, no more often than an earlier one.
+    for earlier, later in itertools.pairwise(stats.spec_accepted_per_position):
+        assert earlier >= later
+    total = EngineStats.total([stats, plain_sched.statistics()])
+    assert total.spec_accepted_per_position == stats.spec_accepted_per_position
 
 
 def _decoding(
