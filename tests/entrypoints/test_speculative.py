@@ -94,6 +94,15 @@ def test_greedy_tokens_equal_those_without_speculation(engines: tuple[LLM, LLM])
     assert engines[0].statistics().num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_greedy_tokens_are_exact_on_the_other_architectures(
+    tiny_model_factory: Callable[..., Path], arch: str
+) -> None:
+    for pair in _engines(tiny_model_factory(arch)):
+        accepted, _ = _compare(pair, SamplingParams(temperature=0.0, max_tokens=40))
+        assert accepted > 0
+
+
 def test_seeded_sampling_gives_the_same_tokens(engines: tuple[LLM, LLM]) -> None:
     """A seeded request draws its noise per output position: the same tokens with or without
     speculation, and run to run."""
