@@ -16,6 +16,7 @@ from asyncengine.errors import (
     InvalidRequestError,
     UnsupportedModelError,
 )
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import (
     RequestOutputKind,
@@ -43,6 +44,7 @@ __all__ = [
     "EngineStartupError",
     "EngineStats",
     "InvalidRequestError",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

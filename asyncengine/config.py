@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncengine.default_model import resolve_model
 from asyncengine.gguf.serving import gguf_hf_config, is_gguf_file
+from asyncengine.lora.request import LoRAConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -399,6 +400,8 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
     frontend_config: FrontendConfig = FrontendConfig()
+    # Multi-LoRA serving (asyncengine/lora/); frozen, so one default instance is safe.
+    lora_config: LoRAConfig = LoRAConfig()  # noqa: RUF009
     # A step (or a tensor-parallel collective) that runs longer is a hang: the engine dies
     # loudly instead of waiting forever. Also how long a silent core process is given.
     step_timeout: float = 300.0
@@ -484,6 +487,10 @@ class EngineConfig:
         enforce_eager: bool = False,
         quantization: str | None = None,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_cpu_loras: int | None = None,
+        max_lora_rank: int = 64,
         **unknown: Any,
     ) -> EngineConfig:
         """The config of the keywords of `LLM(...)` / `AsyncLLM.from_pretrained(...)`.
@@ -541,6 +548,7 @@ class EngineConfig:
                 worker_extension_cls=worker_extension_cls,
             ),
             frontend_config=FrontendConfig(max_queued_requests=max_queued_requests),
+            lora_config=LoRAConfig(enable_lora, max_loras, max_cpu_loras, max_lora_rank),
             step_timeout=step_timeout,
         )
         if on == "cuda":

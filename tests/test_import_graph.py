@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.errors",
         "asyncengine.gguf",  # GGUF files read with the standard library (config reads them)
         "asyncengine.heap",
+        "asyncengine.lora",  # LoRARequest, LoRAConfig, PEFT folder checks (no torch)
         "asyncengine.outputs",
         "asyncengine.paths",
         "asyncengine.process_setup",

@@ -36,6 +36,7 @@ from asyncengine.client.embedding import (
 )
 from asyncengine.client.input_processor import InputProcessor, Prompt, request_limits
 from asyncengine.client.llm_engine import rpc_arguments
+from asyncengine.client.lora import adapter_folder, resolve_lora
 from asyncengine.client.output_processor import OutputProcessor
 from asyncengine.client.stream import RequestStream
 from asyncengine.client.tokenizer import Tokenizer
@@ -53,6 +54,7 @@ from asyncengine.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import EngineHealth, RankHealth, RequestOutput
 from asyncengine.sampling_params import SamplingParams, default_sampling_params
 
@@ -124,6 +126,7 @@ class AsyncLLM:
         self._output_processor: OutputProcessor | None = None
         self._core_client: EngineCoreClient | None = None
         self._given_core_client = core_client
+        self._loras: dict[str, str] = {}  # the LoRA adapters added through this client
         self._task_group: anyio.abc.TaskGroup | None = None
         self._exit_stack: AsyncExitStack | None = None  # exits the task group at aclose()
         self._dead_event: anyio.Event | None = None  # set when the core is found dead
@@ -237,6 +240,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (shaped by `params.output_kind`) until it finishes.
 
@@ -247,8 +251,13 @@ class AsyncLLM:
         EngineDrainingError after `drain()`; EngineDeadError if the engine is gone, or dies
         meanwhile. `prompt` may also be a `ChatPrompt` that `render_chat` made.
         `data_parallel_rank` pins the request to that rank (with data parallel; else 0).
+        `lora_request` runs it with that LoRA adapter (added first if the engine lacks it;
+        ValueError for an unknown name without a path, or a bad adapter folder).
         """
-        stream = self._add_request(prompt, params, request_id, priority, data_parallel_rank)
+        lora_name = await self._lora_name(lora_request)
+        stream = self._add_request(
+            prompt, params, request_id, priority, data_parallel_rank, lora_name=lora_name
+        )
         try:
             while True:
                 output = await stream.get()
@@ -268,6 +277,7 @@ class AsyncLLM:
         priority: int = 0,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """`generate()` for a conversation: `messages` (`[{"role", "content"}, ...]`) rendered
         with the model's chat template, with the assistant's turn to come.
@@ -283,6 +293,7 @@ class AsyncLLM:
             request_id=request_id,
             priority=priority,
             data_parallel_rank=data_parallel_rank,
+            lora_request=lora_request,
         )
         async with aclosing(outputs):
             async for output in outputs:
@@ -336,6 +347,7 @@ class AsyncLLM:
         priority: int,
         data_parallel_rank: int | None = None,
         pooling: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
         self._check_running()
         self._check_rank(data_parallel_rank)
@@ -353,8 +365,9 @@ class AsyncLLM:
             )
         # Every check happens here (the core would refuse too, but asynchronously).
         request = ip.process(
-            prompt, params, request_id=request_id, priority=priority, pooling=pooling
-        )
+            prompt, params, request_id=request_id, priority=priority, pooling=pooling,
+            lora_name=lora_name,
+        )  # fmt: skip
         op.add_request(request)
         stream = RequestStream(request.request_id, request.params.output_kind)
         self._state.streams[request.request_id] = stream
@@ -630,6 +643,40 @@ class AsyncLLM:
         none is running)."""
         await self._call_utility("stop_profile")
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter (a PEFT folder) under its name, for requests to name it; False
+        if the engine holds it from that folder already. ValueError naming what is wrong: an
+        engine without `enable_lora`, a missing or non-PEFT folder, an adapter for other
+        shapes or modules, a rank above `max_lora_rank`, a name held from another folder."""
+        name, folder = adapter_folder(lora_request)
+        self._check_running()
+        added = bool(await self._call_utility("add_lora", name, folder))
+        self._loras[name] = folder
+        return added
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`: new requests for it are refused at once; those in flight
+        finish with it first. ValueError for a name the engine does not hold."""
+        self._check_running()
+        await self._call_utility("remove_lora", name)
+        self._loras.pop(name, None)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine holds, by name."""
+        self._check_running()
+        held = await self._call_utility("list_loras")
+        self._loras = {name: path for name, path in held}
+        return [LoRARequest(name, path) for name, path in held]
+
+    async def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
+        """The adapter name a request runs with; added first where the engine lacks it."""
+        name, folder = resolve_lora(lora_request, self._loras)
+        if name is not None and folder is not None:
+            await self.add_lora(LoRARequest(name, folder))
+        return name
+
     async def _call_utility(self, method: str, *args: Any) -> Any:
         self._check_running()
         assert self._core_client is not None
@@ -801,7 +848,9 @@ class AsyncLLM:
 # The errors of these utility methods that reach the caller as themselves (the core sends
 # "TypeName: message", "rank N: TypeName: message" with data parallel); others, and every
 # error of the other utility methods, are RuntimeErrors.
-_TYPED_ERROR_UTILITIES = frozenset({"collective_rpc", "start_profile", "stop_profile"})
+_TYPED_ERROR_UTILITIES = frozenset(
+    {"collective_rpc", "start_profile", "stop_profile", "add_lora", "remove_lora"}
+)
 _UTILITY_ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "TypeError": TypeError,

@@ -97,9 +97,10 @@ class InputProcessor:
         request_id: str | None = None,
         priority: int = 0,
         pooling: str | None = None,
+        lora_name: str | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenise; ValueError naming what is wrong. `pooling`: an embedding
-        request (EngineCoreRequest.pooling)."""
+        request (EngineCoreRequest.pooling); `lora_name`: its LoRA adapter."""
         if params is None:
             params = self.default_params()
         elif not isinstance(params, SamplingParams):
@@ -129,6 +130,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 pooling=pooling,
+                lora_name=lora_name,
             )
             for i, core_id in enumerate(sequence_ids(request_id, params.n))
         ]

@@ -50,14 +50,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         pooling: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. ValueError for a bad request.
         `pooling`: an embedding request (its final output carries `embedding`)."""
         if request_id is not None and request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.input_processor.process(
-            prompt, params, request_id=request_id, priority=priority, pooling=pooling
-        )
+            prompt, params, request_id=request_id, priority=priority, pooling=pooling,
+            lora_name=lora_name,
+        )  # fmt: skip
         added: list[str] = []
         try:
             for core_request in request.core_requests:

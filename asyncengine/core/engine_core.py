@@ -15,7 +15,9 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.cpu_threads import ThreadGovernor
 from asyncengine.executor.factory import executor_class
 from asyncengine.ipc.messages import CoreLoad, EngineCoreOutputs, EngineCoreRequest, EngineStats
+from asyncengine.lora.peft_folder import check_peft_folder
 from asyncengine.sched.kv_cache_manager import KVCacheManager
+from asyncengine.sched.lora_slots import LoRASlots
 from asyncengine.sched.scheduler import Scheduler
 from asyncengine.sched.structured_outputs import StructuredOutputManager
 
@@ -57,6 +59,12 @@ class EngineCore:
             StructuredOutputManager(model.model, model.vocab_size, model.eos_token_ids),
         )
         self._governor = _thread_governor(self.config)
+        # LoRA adapters by name (their folders); those removed while requests still use them
+        # stay loaded in the workers until the requests finish.
+        self.loras: dict[str, str] = {}
+        self._loras_to_release: set[str] = set()
+        if config.lora_config.enable_lora:
+            self.scheduler.lora_slots = LoRASlots(config.lora_config.max_loras)
         # An executor that fills grammar bitmasks beside the forward pass gets them deferred.
         self.scheduler.defer_grammar_fill = self.executor.overlaps_grammar_fill
         logger.info("engine core ready in %.2f s", time.monotonic() - start)
@@ -90,7 +98,63 @@ class EngineCore:
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
+        if self._loras_to_release:
+            self._release_loras()
         return outputs
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> bool:
+        """Load a LoRA adapter from its PEFT folder under `name`; False if the engine holds it
+        from that folder already. ValueError for a bad folder (lora/peft_folder.py), an
+        engine without `enable_lora`, or a name held from another folder."""
+        lora = self.config.lora_config
+        if not lora.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        held = self.loras.get(name)
+        if held == path:
+            return False
+        if held is not None:
+            raise ValueError(
+                f"LoRA adapter {name!r} is loaded from {held} already: remove_lora it first"
+            )
+        if name in self._loras_to_release:
+            raise ValueError(
+                f"LoRA adapter {name!r} is being removed and requests still use it: add it "
+                "again once they finish"
+            )
+        check_peft_folder(name, path, self.config.model_config, lora.max_lora_rank)
+        self.executor.collective_rpc(
+            "add_lora", args=(name, path, lora.loaded_limit, lora.max_lora_rank)
+        )
+        self.loras[name] = path
+        assert self.scheduler.lora_slots is not None
+        self.scheduler.lora_slots.register(name, path)
+        return True
+
+    def remove_lora(self, name: str) -> None:
+        """Stop taking requests for adapter `name`; the ones in flight finish with it, then it
+        is unloaded. ValueError for a name the engine does not hold."""
+        if name not in self.loras:
+            known = ", ".join(sorted(self.loras)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r}: the engine holds {known}")
+        del self.loras[name]
+        assert self.scheduler.lora_slots is not None
+        self.scheduler.lora_slots.unregister(name)
+        self._loras_to_release.add(name)
+        self._release_loras()
+
+    def list_loras(self) -> list[tuple[str, str]]:
+        """The adapters the engine holds: (name, folder), by name."""
+        return sorted(self.loras.items())
+
+    def _release_loras(self) -> None:
+        slots = self.scheduler.lora_slots
+        assert slots is not None
+        for name in list(self._loras_to_release):
+            if not slots.in_use(name, self.scheduler.requests.values()):
+                self.executor.collective_rpc("remove_lora", args=(name,))
+                self._loras_to_release.discard(name)
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot: queues, KV blocks, prefix-cache hits."""

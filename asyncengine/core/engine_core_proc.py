@@ -299,6 +299,15 @@ class EngineCoreLoop:
     ) -> list[Any]:
         return self.engine_core.collective_rpc(method, args, kwargs, timeout)
 
+    def _utility_add_lora(self, name: str, path: str) -> bool:
+        return self.engine_core.add_lora(name, path)
+
+    def _utility_remove_lora(self, name: str) -> None:
+        self.engine_core.remove_lora(name)
+
+    def _utility_list_loras(self) -> list[tuple[str, str]]:
+        return self.engine_core.list_loras()
+
     def _utility_start_profile(self, profile_dir: str) -> None:
         self.engine_core.start_profile(profile_dir)
 

@@ -16,9 +16,11 @@ from asyncengine.client.embedding import (
 )
 from asyncengine.client.input_processor import Prompt
 from asyncengine.client.llm_engine import LLMEngine, rpc_arguments
+from asyncengine.client.lora import adapter_folder, resolve_lora
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from asyncengine.ipc.messages import EngineStats
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,14 +63,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; the outputs come back in input order.
 
         `prompts` is one prompt or a list (a prompt is a string or a list of token ids);
-        `params` is one SamplingParams for all, or one per prompt. A bad prompt or
-        parameter raises ValueError before anything runs.
+        `params` is one SamplingParams for all, or one per prompt; `lora_request` one LoRA
+        adapter for all, or one (or None: the base model) per prompt. A bad prompt,
+        parameter or adapter raises ValueError before anything runs.
         """
-        return self._generate(_as_prompt_list(prompts), params, use_tqdm)
+        return self._generate(_as_prompt_list(prompts), params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -77,6 +81,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`generate()` for conversations rendered with the model's chat template.
 
@@ -94,7 +99,7 @@ class LLM:
             render_chat(tokenizer, c, chat_template_kwargs=chat_template_kwargs)
             for c in conversations
         ]
-        return self._generate(prompts, params, use_tqdm)
+        return self._generate(prompts, params, use_tqdm, lora_request)
 
     def embed(
         self,
@@ -133,6 +138,7 @@ class LLM:
         prompt_list: Sequence[Prompt | ChatPrompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             given = params if params is not None else self.get_default_sampling_params()
@@ -147,16 +153,52 @@ class LLM:
         # Validate everything first, so a bad prompt cannot leave half a batch queued.
         for prompt in prompt_list:
             self.engine.input_processor.tokenize(prompt)
+        lora_names = self._lora_names(lora_request, len(prompt_list))
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, param_list, strict=True):
+            for prompt, p, lora in zip(prompt_list, param_list, lora_names, strict=True):
                 # Offline callers want the final outputs only: don't build per-step ones.
                 p = _final_only(p)
-                ids.append(self.engine.add_request(f"llm-{next(self._counter)}", prompt, p))
+                request_id = f"llm-{next(self._counter)}"
+                ids.append(self.engine.add_request(request_id, prompt, p, lora_name=lora))
             return self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`AsyncLLM.add_lora`: load a LoRA adapter under its name (False: held already)."""
+        name, folder = adapter_folder(lora_request)
+        return self.engine.engine_core.add_lora(name, folder)
+
+    def remove_lora(self, name: str) -> None:
+        """`AsyncLLM.remove_lora`: unload adapter `name` (ValueError: not held)."""
+        self.engine.engine_core.remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine holds, by name."""
+        return [LoRARequest(n, p) for n, p in self.engine.engine_core.list_loras()]
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[str | None]:
+        """Each prompt's adapter name, the adapters the engine lacks added first."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * count
+        else:
+            requests = list(lora_request)
+            if len(requests) != count:
+                raise ValueError(
+                    f"got {len(requests)} LoRA requests for {count} prompts: give one for "
+                    "all, or exactly one (or None) per prompt"
+                )
+        names: list[str | None] = []
+        for request in requests:
+            name, folder = resolve_lora(request, dict(self.engine.engine_core.loras))
+            if name is not None and folder is not None:
+                self.engine.engine_core.add_lora(name, folder)
+            names.append(name)
+        return names
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -45,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # An embedding request (AsyncLLM.embed): how to pool the prompt's final hidden states
     # ("last", "mean" or "cls"). It is prefilled, never decoded, and finishes with `pooled`.
     pooling: str | None = None
+    # The LoRA adapter it runs with (a name the core holds: AsyncLLM.add_lora); None: the base.
+    lora_name: str | None = None
 
 
 # One sampled position's logprobs: token ids (sampled first, then the top-N), their logprobs,

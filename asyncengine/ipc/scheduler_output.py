@@ -23,6 +23,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in the cache
     pooling: str | None = None  # an embedding request's pooling (EngineCoreRequest.pooling)
+    lora_name: str | None = None  # its LoRA adapter (EngineCoreRequest.lora_name)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

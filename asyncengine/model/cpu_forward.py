@@ -48,6 +48,7 @@ from asyncengine.model.cpu_linear import PackedLinear
 from asyncengine.model.decode_layers import NativeDecodeLayers
 from asyncengine.model.interface import TokenChoice
 from asyncengine.model.lean_layer import LeanLayer
+from asyncengine.model.lora_layers import LoRABatch
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaDecoderLayer",
@@ -143,10 +144,12 @@ class CpuForward:
         token_choice: TokenChoice | None = None,
         hidden_indices: torch.Tensor | None = None,  # [H] rows whose hidden states are wanted
         hidden_out: list[torch.Tensor] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         """The logits of the rows `logits_indices` names; with `token_choice`, possibly their
         tokens instead (see model/interface.py): through the int8 screen of the lm_head, for
-        steps of a few rows."""
+        steps of a few rows. With `lora`, its adapters' rows get their low-rank adds (through
+        the Python layer loop: the native all-layers call has none)."""
         if self._embed_rows is not None:
             residual = self._embed_rows(input_ids)  # [T, hidden]
         else:
@@ -159,9 +162,11 @@ class CpuForward:
                 f"CpuForward runs on the 'cpu' attention backend, not {attn.backend.name!r}"
             )
         native = self.native_layers
-        mlp_out = None if native is None else native(residual, cos, sin, attn)
+        mlp_out = None
+        if native is not None and lora is None:
+            mlp_out = native(residual, cos, sin, attn)
         if mlp_out is None:
-            down, x = self._layers_loop(residual, cos, sin, attn)
+            down, x = self._layers_loop(residual, cos, sin, attn, lora)
             mlp_out = x if down is None else down(x)
         if hidden_indices is not None and hidden_out is not None:  # embedding requests' rows
             hidden_out.append(
@@ -183,10 +188,16 @@ class CpuForward:
         return logits
 
     def _layers_loop(
-        self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+        self,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> _Projection:
         """The decoder layers, a kernel call at a time: `residual` updated in place, and the
-        last layer's MLP output (or its down projection and input) returned."""
+        last layer's MLP output (or its down projection and input) returned; with `lora`,
+        each projection plus its adapters' deltas (model/lora_layers.py)."""
         num_tokens, d = residual.shape[0], self._head_dim
         backend, plan, slots = attn.backend, attn.plan, attn.slot_mapping
         mlp: _Projection | None = None  # the last layer's MLP output, or its down projection
@@ -196,6 +207,8 @@ class CpuForward:
             else:
                 x = _add_rms_norm(mlp, residual, layer.input_norm, layer.eps)
             q, k, v = _project_qkv(layer, x, num_tokens, d)
+            if lora is not None:
+                lora.add_qkv(i, x, q, k, v)
             kv_cache = attn.kv_caches[i]
             # Rotary, and the cache write of the rotated keys and the values, in one pass.
             rotary_cpu(
@@ -203,9 +216,11 @@ class CpuForward:
                 value=v, kv_cache=kv_cache, slot_mapping=slots,
             )  # fmt: skip
             out = backend.paged_attention(q, k, v, kv_cache, plan, layer.scale)  # [T, H_q, D]
-            o_proj = (layer.o_proj, out.view(num_tokens, -1))
+            o_proj: _Projection = (layer.o_proj, out.view(num_tokens, -1))
+            if lora is not None:
+                o_proj = (None, lora.project(i, "o_proj", layer.o_proj, o_proj[1]))
             x = _add_rms_norm(o_proj, residual, layer.post_norm, layer.eps)
-            mlp = _mlp(layer, x)
+            mlp = _mlp(layer, x) if lora is None else (None, lora.mlp(i, layer, x))
         assert mlp is not None
         return mlp
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from asyncengine.model.attention import AttentionMetadata
+from asyncengine.model.lora_layers import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,9 @@ class ModelForward(Protocol):
     With `hidden_indices` (packed rows; embedding requests), the model also appends to
     `hidden_out` those rows' final hidden states, [H, hidden] after the final norm (what
     transformers' `AutoModel` returns as `last_hidden_state`), in the model's dtype.
+
+    With `lora` (only to a model that takes adapters: CpuForward), the rows of each of its
+    adapters run with that adapter's low-rank adds.
     """
 
     @property
@@ -65,5 +69,6 @@ class ModelForward(Protocol):
         token_choice: TokenChoice | None = None,
         hidden_indices: torch.Tensor | None = None,  # [H]
         hidden_out: list[torch.Tensor] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         ...

@@ -22,6 +22,7 @@ from asyncengine.errors import UnsupportedModelError
 from asyncengine.model import attention
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.interface import ModelForward, TokenChoice
+from asyncengine.model.lora_layers import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,10 @@ class TransformersModel:
         token_choice: TokenChoice | None = None,  # always logits here
         hidden_indices: torch.Tensor | None = None,  # [H]
         hidden_out: list[torch.Tensor] | None = None,
+        lora: LoRABatch | None = None,  # never given: adapters run on CpuForward only
     ) -> torch.Tensor:  # [S, V]
+        if lora is not None:
+            raise ValueError("LoRA adapters run on the lean CPU forward only")
         # transformers takes a batch: ours is one packed sequence, [1, T].
         wants_hidden = hidden_indices is not None and hidden_out is not None
         out = self.module(

@@ -204,6 +204,6 @@ class KVCacheManager:
             i = len(hashes)
             if (i + 1) * bs > request.num_tokens:
                 raise RuntimeError(f"request {request.request_id}: block {i} is not full")
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else request.hash_seed
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]

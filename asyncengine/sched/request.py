@@ -38,6 +38,10 @@ class Request:
     max_tokens: int = 0  # output budget, resolved against max_model_len
     grammar: RequestGrammar | None = None  # structured outputs: its matcher follows the outputs
     pooling: str | None = None  # an embedding request: prefilled, pooled, never decoded
+    lora_name: str | None = None  # its LoRA adapter; None: the base model
+    # The first block's parent hash: b"" for the base model, the adapter's salt otherwise, so
+    # a prefix cached under one adapter is never reused by another (or by the base).
+    hash_seed: bytes = b""
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, max_tokens: int) -> Request:
@@ -50,6 +54,7 @@ class Request:
             all_token_ids=list(req.prompt_token_ids),
             max_tokens=max_tokens,
             pooling=req.pooling,
+            lora_name=req.lora_name,
         )
 
     @property

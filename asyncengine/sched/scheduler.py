@@ -30,6 +30,7 @@ from asyncengine.ipc.scheduler_output import (
 )
 from asyncengine.request_limits import RequestLimits, check_token_ids
 from asyncengine.sched.kv_cache_manager import KVCacheManager
+from asyncengine.sched.lora_slots import LoRASlots
 from asyncengine.sched.request import Request, RequestStatus
 from asyncengine.sched.request_queue import make_request_queue
 from asyncengine.sched.spec_decode import NgramSpeculator
@@ -71,6 +72,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed for prompts and recomputes, in all
         self.speculator = NgramSpeculator(config.speculative) if config.speculative else None
+        # LoRA adapters (set by the engine core when LoRA is enabled); None: the base only.
+        self.lora_slots: LoRASlots | None = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -87,6 +90,10 @@ class Scheduler:
             raise ValueError(f"pooling={core_request.pooling!r} is invalid: one of {kinds}")
         max_tokens = self.limits.check(request_id, len(core_request.prompt_token_ids), params)
         request = Request.from_core_request(core_request, max_tokens)
+        if core_request.lora_name is not None:
+            if self.lora_slots is None:
+                raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+            request.hash_seed = self.lora_slots.hash_seed(core_request.lora_name)
         if params.structured_outputs is not None:
             if self.structured_outputs is None:
                 raise ValueError("this engine core was built without structured outputs")
@@ -268,6 +275,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if self.lora_slots is not None and not self.lora_slots.fits(request, self.running):
+                break  # its adapter waits for a slot (max_loras adapters run already)
             if request.sampling_params.prompt_logprobs is None and request.pooling is None:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             else:  # every prompt position's logits (or hidden states) are wanted: nothing is
@@ -292,6 +301,7 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_cached,
                     pooling=request.pooling,
+                    lora_name=request.lora_name,
                 )
             )
             num_scheduled[request.request_id] = num_new

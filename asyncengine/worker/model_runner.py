@@ -25,12 +25,15 @@ from asyncengine.ipc.scheduler_output import (
     SchedulerOutput,
 )
 from asyncengine.model.attention import AttentionMetadata, get_backend
+from asyncengine.model.cpu_forward import CpuForward
 from asyncengine.model.interface import ModelForward, TokenChoice
 from asyncengine.model.loader import load_model_forward
+from asyncengine.model.lora_layers import LoRABatch
 from asyncengine.sampling_params import CoreSamplingParams
 from asyncengine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from asyncengine.worker.grammar_bitmask import apply_grammar_bitmask
 from asyncengine.worker.host_copy import to_device
+from asyncengine.worker.lora_manager import LoRAManager
 from asyncengine.worker.parallel import TensorParallelGroup
 from asyncengine.worker.rejection_sampler import accept_drafts, draft_states
 from asyncengine.worker.sampler import Sampler, SamplerOutput
@@ -53,6 +56,7 @@ class CachedRequestState:
     sampling: SamplingRequestState
     pooling: str | None = None  # an embedding request: how its hidden states are pooled
     pool_acc: torch.Tensor | None = None  # "mean": the rows' fp32 sum so far; "cls": row 0
+    lora_name: str | None = None  # its LoRA adapter
 
 
 @dataclass(slots=True)
@@ -103,6 +107,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: ModelForward | None = None  # load_model()
         self.decode_graphs: DecodeGraphs | None = None  # initialize_kv_cache(), on CUDA
+        self.lora_manager: LoRAManager | None = None  # the first add_lora()
         # Resolve the attention backend now, so a missing triton fails at start-up.
         get_backend(model_config.attention_backend, device)
 
@@ -116,6 +121,27 @@ class ModelRunner:
             tp.world_size if tp is not None else 1,
             tp.all_reduce if tp is not None else None,
         )
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str, max_loaded: int, max_lora_rank: int) -> None:
+        """Register and load a LoRA adapter (the engine core has checked its folder);
+        ValueError where the model cannot take adapters."""
+        if not isinstance(self.model, CpuForward):
+            raise ValueError(
+                "LoRA adapters run on the lean CPU forward only (device 'cpu', attention "
+                "backend 'cpu', no tensor parallel, the native CPU kernels): this model runs "
+                "through transformers"
+            )
+        if self.lora_manager is None:
+            self.lora_manager = LoRAManager(
+                self.model_config, max_loaded, max_lora_rank, self.dtype
+            )
+        self.lora_manager.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.remove(name)
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -273,9 +299,10 @@ class ModelRunner:
             hidden_indices = _to_device(
                 np.asarray(batch.hidden_indices, dtype=np.int64), self.device
             )
+        lora = self._lora_batch(scheduler_output)
         out = self.model(  # [S + P, V] logits, or [S] tokens
             batch.input_ids, batch.positions, batch.attn, keep, token_choice=choice,
-            hidden_indices=hidden_indices, hidden_out=hidden,
+            hidden_indices=hidden_indices, hidden_out=hidden, lora=lora,
         )  # fmt: skip
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
@@ -288,6 +315,14 @@ class ModelRunner:
         if batch.pool_rows and hidden:
             output.pooled = self._pool(output.req_ids, batch.pool_rows, hidden[0])
         return output
+
+    def _lora_batch(self, scheduler_output: SchedulerOutput) -> LoRABatch | None:
+        """The step's adapters and their rows (packed in batch order); None: none."""
+        if self.lora_manager is None:
+            return None
+        scheduled = scheduler_output.num_scheduled_tokens
+        names = [self.requests[r].lora_name for r in scheduled]
+        return self.lora_manager.step_batch(names, list(scheduled.values()))
 
     def _pool(
         self,
@@ -430,6 +465,7 @@ class ModelRunner:
                     eos_token_ids=self.model_config.eos_token_ids,
                 ),
                 pooling=new.pooling,
+                lora_name=new.lora_name,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]

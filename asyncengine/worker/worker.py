@@ -53,6 +53,13 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
+    def add_lora(self, name: str, path: str, max_loaded: int, max_lora_rank: int) -> None:
+        """Register and load a LoRA adapter (model_runner.add_lora)."""
+        self.model_runner.add_lora(name, path, max_loaded, max_lora_rank)
+
+    def remove_lora(self, name: str) -> None:
+        self.model_runner.remove_lora(name)
+
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit: the configured count, or the byte budget divided up; on
         CUDA without either, what `gpu_memory_utilization` leaves after a profiling forward.

@@ -1,0 +1,81 @@
+"""LoRAManager: the worker's LoRA adapters, registered by name, loaded up to a bound (least
+recently used unloaded beyond it, and reloaded from their folder when a step needs them
+again), and each step's `LoRABatch`."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from asyncengine.config import ModelConfig
+from asyncengine.lora.peft_folder import PeftAdapter, check_peft_folder
+from asyncengine.model.lora_layers import LoRABatch, LoRAWeights
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """Adapters by name: every registered one's checked folder, and the loaded ones' weights
+    (at most `max_loaded`, in LRU order)."""
+
+    def __init__(
+        self, model_config: ModelConfig, max_loaded: int, max_lora_rank: int, dtype: torch.dtype
+    ) -> None:
+        self.model_config = model_config
+        self.max_loaded = max_loaded
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.adapters: dict[str, PeftAdapter] = {}
+        self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()  # least recent first
+        self.num_loads = 0  # loads from disk, reloads after an eviction included
+
+    def add(self, name: str, path: str) -> None:
+        """Register and load an adapter; ValueError for a bad folder (peft_folder.py)."""
+        adapter = check_peft_folder(name, path, self.model_config, self.max_lora_rank)
+        self.adapters[name] = adapter
+        self.loaded.pop(name, None)  # a new folder under an old name: its weights anew
+        self._load(name)
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.loaded.pop(name, None)
+
+    def weights(self, name: str) -> LoRAWeights:
+        """The adapter's weights, loaded again if they were evicted; now the most recent."""
+        weights = self.loaded.get(name)
+        if weights is None:
+            return self._load(name)
+        self.loaded.move_to_end(name)
+        return weights
+
+    def step_batch(self, names: list[str | None], counts: list[int]) -> LoRABatch | None:
+        """The step's LoRABatch: per request (in batch order) its adapter and how many packed
+        rows it has; None when no row uses an adapter."""
+        if all(n is None for n in names):
+            return None
+        starts = np.cumsum([0, *counts[:-1]])
+        rows: dict[str, list[np.ndarray]] = {}
+        for name, start, count in zip(names, starts, counts, strict=True):
+            if name is not None:
+                rows.setdefault(name, []).append(np.arange(start, start + count, dtype=np.int64))
+        return LoRABatch(
+            [
+                (self.weights(name), torch.from_numpy(np.concatenate(parts)))
+                for name, parts in rows.items()
+            ]
+        )
+
+    def _load(self, name: str) -> LoRAWeights:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        weights = LoRAWeights.load(adapter, self.dtype)
+        self.num_loads += 1
+        self.loaded[name] = weights
+        while len(self.loaded) > self.max_loaded:
+            evicted, _ = self.loaded.popitem(last=False)
+            logger.info("LoRA adapter %r unloaded (max_cpu_loras=%d)", evicted, self.max_loaded)
+        return weights
