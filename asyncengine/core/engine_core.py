@@ -46,6 +46,11 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.initialize_kv_cache(num_blocks)
+            lora = config.lora_config
+            if lora.enable_lora:  # ValueError where the model cannot take adapters
+                self.executor.collective_rpc(
+                    "enable_lora", args=(lora.loaded_limit, lora.max_lora_rank)
+                )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -124,9 +129,7 @@ class EngineCore:
                 "again once they finish"
             )
         check_peft_folder(name, path, self.config.model_config, lora.max_lora_rank)
-        self.executor.collective_rpc(
-            "add_lora", args=(name, path, lora.loaded_limit, lora.max_lora_rank)
-        )
+        self.executor.collective_rpc("add_lora", args=(name, path))
         self.loras[name] = path
         assert self.scheduler.lora_slots is not None
         self.scheduler.lora_slots.register(name, path)

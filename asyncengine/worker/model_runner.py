@@ -124,19 +124,20 @@ class ModelRunner:
 
     # ---- LoRA adapters -------------------------------------------------------------------
 
-    def add_lora(self, name: str, path: str, max_loaded: int, max_lora_rank: int) -> None:
-        """Register and load a LoRA adapter (the engine core has checked its folder);
-        ValueError where the model cannot take adapters."""
+    def enable_lora(self, max_loaded: int, max_lora_rank: int) -> None:
+        """Take LoRA adapters, at most `max_loaded` loaded at once; ValueError where the
+        model cannot (it runs through transformers)."""
         if not isinstance(self.model, CpuForward):
             raise ValueError(
                 "LoRA adapters run on the lean CPU forward only (device 'cpu', attention "
                 "backend 'cpu', no tensor parallel, the native CPU kernels): this model runs "
                 "through transformers"
             )
-        if self.lora_manager is None:
-            self.lora_manager = LoRAManager(
-                self.model_config, max_loaded, max_lora_rank, self.dtype
-            )
+        self.lora_manager = LoRAManager(self.model_config, max_loaded, max_lora_rank, self.dtype)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register and load a LoRA adapter (the engine core has checked its folder)."""
+        assert self.lora_manager is not None, "enable_lora() first"
         self.lora_manager.add(name, path)
 
     def remove_lora(self, name: str) -> None:

@@ -53,9 +53,13 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def add_lora(self, name: str, path: str, max_loaded: int, max_lora_rank: int) -> None:
+    def enable_lora(self, max_loaded: int, max_lora_rank: int) -> None:
+        """Take LoRA adapters from now on (model_runner.enable_lora)."""
+        self.model_runner.enable_lora(max_loaded, max_lora_rank)
+
+    def add_lora(self, name: str, path: str) -> None:
         """Register and load a LoRA adapter (model_runner.add_lora)."""
-        self.model_runner.add_lora(name, path, max_loaded, max_lora_rank)
+        self.model_runner.add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
         self.model_runner.remove_lora(name)
