@@ -84,7 +84,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort requests; the ids that were live."""
-        return self.scheduler.abort_requests(request_ids)
+        aborted = self.scheduler.abort_requests(request_ids)
+        if self._loras_to_release:  # a removed adapter's last request may be among them
+            self._release_loras()
+        return aborted
 
     def step(self) -> EngineCoreOutputs:
         """Run one batch: 1. schedule, 2. execute, 3. fold the sampled tokens back in."""

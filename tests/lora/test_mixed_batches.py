@@ -220,3 +220,22 @@ def test_lora_needs_enable_lora(llama_case: Case, llm_factory: Callable[..., LLM
 def test_the_transformers_path_refuses_enable_lora_at_start(llama_case: Case) -> None:
     with pytest.raises(ValueError, match="lean CPU forward only"):
         LLM(llama_case.base, **{**ENGINE_KW, "attention_backend": "torch"})
+
+
+def test_an_adapter_removed_in_flight_stays_loaded_until_its_requests_finish(
+    llama_case: Case, llm_factory: Callable[..., LLM]
+) -> None:
+    llm = llm_factory(llama_case.base)
+    llm.add_lora(llama_case.adapter("attn"))
+    manager, engine = _manager(llm), llm.engine
+    request_id = engine.add_request("r", llama_case.prompts[1], GREEDY, lora_name="attn")
+    outputs = engine.step()  # its prefill: it runs with the adapter now
+    llm.remove_lora("attn")
+    assert "attn" in manager.adapters  # still in use
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'attn'"):
+        llm.generate([llama_case.prompts[0]], GREEDY, lora_request=LoRARequest("attn"))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    (final,) = [o for o in outputs if o.request_id == request_id]
+    assert list(final.outputs[0].token_ids) == llama_case.reference["attn"][1]
+    assert "attn" not in manager.adapters and "attn" not in manager.loaded
