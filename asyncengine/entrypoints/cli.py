@@ -130,6 +130,17 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": "
                                        "2, \"prompt_lookup_max\": 4}' (docs/speculative.md; "
                                        "default: off)")),
+    ("--enable-lora", dict(dest="enable_lora", action="store_const", const=True,
+                           help="serve LoRA adapters (PEFT folders) on the base model: "
+                                "requests name one each (docs/lora.md; default: off)")),
+    ("--max-loras", dict(dest="max_loras", type=int, metavar="N",
+                         help="distinct LoRA adapters in one step; requests for others wait "
+                              "(default: 4)")),
+    ("--max-cpu-loras", dict(dest="max_cpu_loras", type=int, metavar="N",
+                             help="LoRA adapters kept loaded, least recently used unloaded "
+                                  "beyond (default: --max-loras)")),
+    ("--max-lora-rank", dict(dest="max_lora_rank", type=int, metavar="R",
+                             help="the largest rank a LoRA adapter may have (default: 64)")),
 )  # fmt: skip
 
 ENGINE_KWARGS: tuple[str, ...] = tuple(str(opts["dest"]) for _, opts in _ENGINE_FLAGS)
