@@ -670,6 +670,12 @@ class AsyncLLM:
         self._loras = {name: path for name, path in held}
         return [LoRARequest(name, path) for name, path in held]
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters added through this engine (`add_lora`, or a request's first use), by
+        name: what the HTTP server's `model` field may name."""
+        return tuple(sorted(self._loras))
+
     async def _lora_name(self, lora_request: LoRARequest | None) -> str | None:
         """The adapter name a request runs with; added first where the engine lacks it."""
         name, folder = resolve_lora(lora_request, self._loras)

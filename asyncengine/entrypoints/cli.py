@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split the model's <think>...</think> thinking into chat "
                             "completions' reasoning_content: deepseek_r1 or qwen3 "
                             "(default: none)")  # fmt: skip
+    serve.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to serve from the start, each named "
+                            "by requests' `model` field (implies --enable-lora)")  # fmt: skip
+    serve.add_argument("--enable-lora-runtime-updates", action="store_true",
+                       help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
+                            "unload adapters while serving (default: off)")  # fmt: skip
     serve.add_argument(
         "--api-server-count",
         type=int,
@@ -505,8 +511,24 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     engine_kwargs = engine_kwargs_from_args(args)
+    from asyncengine.entrypoints.openai.serving_lora import parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        print(f"asyncengine serve: {exc}", file=sys.stderr)
+        return 2
+    if lora_modules or args.enable_lora_runtime_updates:
+        engine_kwargs.setdefault("enable_lora", True)
     _check_before_loading(model, engine_kwargs)
     if args.api_server_count != 1:
+        if lora_modules or args.enable_lora_runtime_updates:
+            print(
+                "asyncengine serve: LoRA adapters are served by one API server for now: "
+                "--lora-modules and --enable-lora-runtime-updates need --api-server-count 1",
+                file=sys.stderr,
+            )
+            return 2
         return _serve_api_servers(args, model)
     engine = AsyncLLM.from_pretrained(model, **engine_kwargs)
     from asyncengine.gguf.serving import served_model_name
@@ -518,6 +540,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
         reasoning_parser=args.reasoning_parser,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     server = make_server(
         app,

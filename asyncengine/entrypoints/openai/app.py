@@ -1,6 +1,8 @@
 """The OpenAI-compatible Starlette app: routes, API-key check, error shape, engine lifespan.
 
-GET  /v1/models, /v1/models/{model}     the served model
+GET  /v1/models, /v1/models/{model}     the served model, and its LoRA adapters
+POST /v1/load_lora_adapter, /v1/unload_lora_adapter   serving_lora.py (with
+                                        enable_lora_runtime_updates)
 POST /v1/completions                    serving_completion.py
 POST /v1/chat/completions               serving_chat.py
 POST /v1/embeddings                     serving_embeddings.py
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,6 +40,7 @@ from asyncengine.entrypoints.openai.reasoning import reasoning_parser as reasoni
 from asyncengine.entrypoints.openai.serving_chat import ChatServing
 from asyncengine.entrypoints.openai.serving_completion import CompletionServing
 from asyncengine.entrypoints.openai.serving_embeddings import EmbeddingServing
+from asyncengine.entrypoints.openai.serving_lora import LoRAServing, add_lora_modules
 from asyncengine.entrypoints.openai.serving_responses import ResponsesServing
 from asyncengine.entrypoints.openai.state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
 from asyncengine.errors import EngineDeadError
@@ -61,6 +64,8 @@ def build_app(
     metrics_dir: str | None = None,
     api_server_index: int = 0,
     reasoning_parser: str | None = None,
+    lora_modules: Mapping[str, str] | None = None,
+    enable_lora_runtime_updates: bool = False,
     **engine_options: Any,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine`: an AsyncLLM, or a model folder to build one
@@ -76,6 +81,9 @@ def build_app(
     processes share their metrics there (each scrape reports the sum).
     `reasoning_parser` ("deepseek_r1", "qwen3"; see reasoning.py) splits a model's thinking
     from its answer in chat completions; ValueError for an unknown name.
+    `lora_modules` (name -> PEFT folder) are loaded as the app starts (the engine needs
+    `enable_lora`); requests name one in their `model` field. `enable_lora_runtime_updates`
+    adds /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py).
     """
     parser = reasoning_parser_named(reasoning_parser)  # before a model is loaded for nothing
     if not isinstance(engine, AsyncLLM):
@@ -103,6 +111,10 @@ def build_app(
         Route("/metrics", endpoints.metrics, methods=["GET"]),
         Route("/version", endpoints.version, methods=["GET"]),
     ]
+    if enable_lora_runtime_updates:
+        lora = LoRAServing(state)
+        routes.append(Route("/v1/load_lora_adapter", lora.load, methods=["POST"]))
+        routes.append(Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     if allowed_hosts is not None:
         middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
@@ -113,9 +125,11 @@ def build_app(
             if metrics_dir is not None:
                 tg.start_soon(_share_metrics, state)
             if engine.is_running:
+                await add_lora_modules(state, lora_modules or {})
                 yield
             else:
                 async with engine:
+                    await add_lora_modules(state, lora_modules or {})
                     yield
             tg.cancel_scope.cancel()
 
@@ -148,21 +162,25 @@ class _Endpoints:
         self.state = state
 
     async def list_models(self, request: Request) -> Response:
-        return _json(ModelList(data=[self._card()]))
+        adapters = [self._card(name) for name in self.state.engine.lora_names]
+        return _json(ModelList(data=[self._card(), *adapters]))
 
     async def retrieve_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        self.state.check_model(name)
-        return _json(self._card())
+        lora = self.state.lora_for(name)
+        return _json(self._card(None if lora is None else lora.name))
 
-    def _card(self) -> ModelCard:
+    def _card(self, adapter: str | None = None) -> ModelCard:
         config = self.state.engine.config.model_config
-        # `root` is the served name, as in vLLM: the model folder's path stays private.
+        # `root` is the served name, as in vLLM: the model folder's path stays private (and
+        # so does an adapter's: its root is its name, its parent the served model).
+        name = self.state.model_name
         return ModelCard(
-            id=self.state.model_name,
+            id=name if adapter is None else adapter,
             created=int(self.state.created),
-            root=self.state.model_name,
+            root=name if adapter is None else adapter,
             max_model_len=config.max_model_len,
+            parent=None if adapter is None else name,
         )
 
     async def health(self, request: Request) -> Response:

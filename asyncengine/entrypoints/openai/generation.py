@@ -21,6 +21,7 @@ from asyncengine.client.input_processor import InputProcessor, request_limits
 from asyncengine.client.tokenizer import Tokenizer
 from asyncengine.entrypoints.openai.errors import bad_request, from_value_error
 from asyncengine.entrypoints.openai.state import ServerState
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.request_limits import check_token_ids
 from asyncengine.sampling_params import SamplingParams
@@ -130,15 +131,19 @@ async def run_prompts(
     priority: int,
     arrival: float,
     on_output: OnOutput,
+    lora_request: LoRARequest | None = None,
 ) -> None:
-    """Generate for every prompt; `on_output` receives each DELTA output as it arrives.
+    """Generate for every prompt (with the LoRA adapter `lora_request` names, if any);
+    `on_output` receives each DELTA output as it arrives.
 
     Cancellation (a client that went away) closes every engine stream, which aborts its
     request in the core. The first error (ValueError, EngineDeadError, ...) cancels the other
     prompts and is raised as such, never wrapped in an exception group.
     """
     if len(prompts) == 1:
-        await _run_one(state, 0, prompts[0], params, request_id, priority, arrival, on_output)
+        await _run_one(
+            state, 0, prompts[0], params, request_id, priority, arrival, on_output, lora_request
+        )
         return
     failures: list[Exception] = []
     async with anyio.create_task_group() as tg:
@@ -147,7 +152,7 @@ async def run_prompts(
             try:
                 await _run_one(
                     state, index, prompt, params, f"{request_id}-{index}", priority, arrival,
-                    on_output,
+                    on_output, lora_request,
                 )  # fmt: skip
             except Exception as exc:
                 failures.append(exc)
@@ -168,13 +173,15 @@ async def _run_one(
     priority: int,
     arrival: float,
     on_output: OnOutput,
+    lora_request: LoRARequest | None = None,
 ) -> None:
     tracker = state.metrics.track(len(prompt.token_ids), params.n, arrival)
     state.in_flight.add(request_id)
     try:
         stream = state.engine.generate(
-            prompt.token_ids, params, request_id=request_id, priority=priority
-        )
+            prompt.token_ids, params, request_id=request_id, priority=priority,
+            lora_request=lora_request,
+        )  # fmt: skip
         async with aclosing(stream):  # closing it early aborts the request
             async for output in stream:
                 tracker.observe(output)

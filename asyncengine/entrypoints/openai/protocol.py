@@ -284,6 +284,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str = "asyncengine"
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model; None for the base itself
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -60,6 +60,7 @@ from asyncengine.entrypoints.openai.tool_calls import (
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
 from asyncengine.entrypoints.sse_response import SSEResponse
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -84,7 +85,7 @@ class ChatServing:
         arrival = time.monotonic()
         state = self.state
         req = await decode_request(request, state.max_request_body_bytes, ChatCompletionRequest)
-        state.check_model(req.model)
+        lora = state.lora_for(req.model)
         state.check_ready()
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         params = _params(req, tools, state.engine.config.model_config.sampling_defaults)
@@ -101,7 +102,7 @@ class ChatServing:
         )
         run = _Run(
             state, req, params, prompt, new_request_id("chatcmpl"), arrival, tools,
-            self.reasoning_parser,
+            self.reasoning_parser, lora,
         )  # fmt: skip
         constrained = tools is not None and tools.choice != "auto"
         if req.stream:
@@ -231,8 +232,12 @@ class _Run:
         arrival: float,
         tools: ToolRequest | None = None,
         reasoning_parser: ReasoningParser | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state, self.req, self.params, self.prompt = state, req, params, prompt
+        self.lora_request = lora_request
+        # Responses name the model asked for: the served one, or the adapter.
+        self.model = state.model_name if lora_request is None else lora_request.name
         self.request_id, self.arrival, self.created = request_id, arrival, created_now()
         self.tools = tools
         self.reasoning_parser = reasoning_parser
@@ -255,6 +260,7 @@ class _Run:
             priority=self.req.priority or 0,
             arrival=self.arrival,
             on_output=on_output,
+            lora_request=self.lora_request,
         )
 
     def _update(self, c: CompletionOutput) -> list[TokenLogprob] | None:
@@ -290,7 +296,7 @@ class _Run:
         response = ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.model,
             choices=[self._choice(i, c) for i, c in enumerate(self.choices)],
             usage=self._usage(),
         )
@@ -334,7 +340,7 @@ class _Run:
             ChatCompletionChunk(
                 id=self.request_id,
                 created=self.created,
-                model=self.state.model_name,
+                model=self.model,
                 choices=choices,
                 usage=usage,
             )

@@ -43,6 +43,7 @@ from asyncengine.entrypoints.openai.structured import (
 from asyncengine.entrypoints.sse import DONE, Emit, call_until_disconnect
 from asyncengine.entrypoints.sse import event as _event
 from asyncengine.entrypoints.sse_response import SSEResponse
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -68,12 +69,12 @@ class CompletionServing:
         arrival = time.monotonic()
         state = self.state
         req = await decode_request(request, state.max_request_body_bytes, CompletionRequest)
-        state.check_model(req.model)
+        lora = state.lora_for(req.model)
         state.check_ready()
         params = _params(req, state.engine.config.model_config.sampling_defaults)
         prompts = self._prompts(req, params)
         # Every field is checked by now: a streamed request is refused before its stream.
-        run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival)
+        run = _Run(state, req, params, prompts, new_request_id("cmpl"), arrival, lora)
         if req.stream:
             # A constrained request the engine refuses before its first token (a schema that
             # does not compile) gets its error status, not a stream; others start at once.
@@ -134,8 +135,12 @@ class _Run:
         prompts: list[EnginePrompt],
         request_id: str,
         arrival: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state, self.req, self.params, self.prompts = state, req, params, prompts
+        self.lora_request = lora_request
+        # Responses name the model asked for: the served one, or the adapter.
+        self.model = state.model_name if lora_request is None else lora_request.name
         self.request_id, self.arrival, self.created = request_id, arrival, created_now()
         echoed = [(p.text or "") if req.echo else "" for p in prompts]
         self.choices = [_ChoiceState(prefix) for prefix in echoed for _ in range(params.n)]
@@ -152,6 +157,7 @@ class _Run:
             priority=self.req.priority or 0,
             arrival=self.arrival,
             on_output=on_output,
+            lora_request=self.lora_request,
         )
 
     def _update(
@@ -223,7 +229,7 @@ class _Run:
         response = CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.model,
             choices=[
                 CompletionChoice(
                     index=i,
@@ -253,7 +259,7 @@ class _Run:
                 chunk = CompletionResponse(
                     id=self.request_id,
                     created=self.created,
-                    model=self.state.model_name,
+                    model=self.model,
                     choices=[choice],
                     usage=self._usage() if continuous_usage else None,
                 )
@@ -266,7 +272,7 @@ class _Run:
                 final = CompletionResponse(
                     id=self.request_id,
                     created=self.created,
-                    model=self.state.model_name,
+                    model=self.model,
                     choices=[],
                     usage=self._usage(),
                 )

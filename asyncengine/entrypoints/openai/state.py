@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from asyncengine.client.async_llm import AsyncLLM
 from asyncengine.entrypoints.openai.errors import OpenAIError
 from asyncengine.entrypoints.openai.metrics import ServerMetrics
+from asyncengine.lora.request import LoRARequest
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
 
@@ -38,6 +39,20 @@ class ServerState:
                 404, f"The model `{model}` does not exist; this server serves "
                 f"`{self.model_name}`.", "model"
             )  # fmt: skip
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names; None for the served model (or none
+        given); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.lora_names:
+            return LoRARequest(model)
+        adapters = ", ".join(f"`{n}`" for n in self.engine.lora_names)
+        raise OpenAIError(
+            404, f"The model `{model}` does not exist; this server serves "
+            f"`{self.model_name}`" + (f" and the LoRA adapters {adapters}." if adapters else "."),
+            "model",
+        )  # fmt: skip
 
     def check_ready(self) -> None:
         """503 when the engine cannot take a request: dead, not started, or shutting down."""
