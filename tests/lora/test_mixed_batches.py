@@ -232,6 +232,8 @@ def test_an_adapter_removed_in_flight_stays_loaded_until_its_requests_finish(
     outputs = engine.step()  # its prefill: it runs with the adapter now
     llm.remove_lora("attn")
     assert "attn" in manager.adapters  # still in use
+    with pytest.raises(ValueError, match="is being removed and requests still use it"):
+        llm.add_lora(llama_case.adapter("attn"))
     with pytest.raises(ValueError, match="unknown LoRA adapter 'attn'"):
         llm.generate([llama_case.prompts[0]], GREEDY, lora_request=LoRARequest("attn"))
     while engine.has_unfinished_requests():
