@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from asyncengine.config import ModelConfig
+from asyncengine.kernels.lora import Rows
 from asyncengine.lora.peft_folder import PeftAdapter, check_peft_folder
 from asyncengine.model.lora_layers import LoRABatch, LoRAWeights
 
@@ -27,7 +28,7 @@ class LoRAManager:
         self.model_config = model_config
         self.max_loaded = max_loaded
         self.max_lora_rank = max_lora_rank
-        self.dtype = dtype
+        self.dtype = dtype  # the model's (the adapters' weights are kept in fp32)
         self.adapters: dict[str, PeftAdapter] = {}
         self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()  # least recent first
         self.num_loads = 0  # loads from disk, reloads after an eviction included
@@ -56,26 +57,33 @@ class LoRAManager:
         rows it has; None when no row uses an adapter."""
         if all(n is None for n in names):
             return None
-        starts = np.cumsum([0, *counts[:-1]])
-        rows: dict[str, list[np.ndarray]] = {}
+        starts = np.cumsum([0, *counts[:-1]]).tolist()
+        spans: dict[str, list[tuple[int, int]]] = {}
         for name, start, count in zip(names, starts, counts, strict=True):
-            if name is not None:
-                rows.setdefault(name, []).append(np.arange(start, start + count, dtype=np.int64))
-        return LoRABatch(
-            [
-                (self.weights(name), torch.from_numpy(np.concatenate(parts)))
-                for name, parts in rows.items()
-            ]
-        )
+            if name is None:
+                continue
+            parts = spans.setdefault(name, [])
+            if parts and parts[-1][1] == start:  # side by side with the one before: merged
+                parts[-1] = (parts[-1][0], start + count)
+            else:
+                parts.append((start, start + count))
+        return LoRABatch([(self.weights(n), _rows(parts)) for n, parts in spans.items()])
 
     def _load(self, name: str) -> LoRAWeights:
         adapter = self.adapters.get(name)
         if adapter is None:
             raise ValueError(f"unknown LoRA adapter {name!r}")
-        weights = LoRAWeights.load(adapter, self.dtype)
+        weights = LoRAWeights.load(adapter)
         self.num_loads += 1
         self.loaded[name] = weights
         while len(self.loaded) > self.max_loaded:
             evicted, _ = self.loaded.popitem(last=False)
             logger.info("LoRA adapter %r unloaded (max_cpu_loras=%d)", evicted, self.max_loaded)
         return weights
+
+
+def _rows(spans: list[tuple[int, int]]) -> Rows:
+    """One adapter's packed rows: a slice for one contiguous span, else their indices."""
+    if len(spans) == 1:
+        return slice(*spans[0])
+    return torch.from_numpy(np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in spans]))
