@@ -430,10 +430,6 @@ class EngineConfig:
                 f"the scheduler's max_model_len ({self.scheduler_config.max_model_len}) "
                 f"differs from the model's ({mc.max_model_len})"
             )
-        if self.lora_config.enable_lora and self.parallel_config.data_parallel_size > 1:
-            raise ValueError(
-                "enable_lora runs on one engine core for now: data_parallel_size must be 1"
-            )
         _check_tensor_parallel(
             self.parallel_config.tensor_parallel_size,
             mc.num_attention_heads,

@@ -172,3 +172,30 @@ async def test_bad_folders_and_names_are_value_errors_and_others_go_on(
         await engine.add_lora(LoRARequest("nopath"))
     assert await _tokens(engine, prompts[0], None) == reference[None][0]
     await _assert_kv_free(engine)
+
+
+async def test_every_data_parallel_rank_serves_the_adapters(
+    chat_model: Path,
+    adapters: dict[str, Path],
+    prompts: list[list[int]],
+    reference: dict[str | None, list[list[int]]],
+) -> None:
+    # add_lora reaches every rank (a utility call goes to each), so a request for an adapter
+    # may be routed to either.
+    kw = dict(ENGINE_KW, data_parallel_size=2, data_parallel_routing="round_robin")
+    async with AsyncLLM.from_pretrained(chat_model, enable_lora=True, max_lora_rank=16, **kw) as dp:
+        assert await dp.add_lora(LoRARequest("attn", adapters["attn"]))
+        got: dict[tuple[str | None, int], list[int]] = {}
+
+        async def run(name: str | None, i: int) -> None:
+            lora = None if name is None else LoRARequest(name, adapters[name])
+            got[(name, i)] = await _tokens(dp, prompts[i], lora)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                for name in (None, "attn", "mlp"):
+                    tg.start_soon(run, name, i)
+        assert got == {(n, i): reference[n][i] for n, i in got}
+        stats = await wait_until_idle(dp)
+        assert {s.data_parallel_rank for s in stats.ranks} == {0, 1}
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks

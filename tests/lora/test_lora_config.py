@@ -43,11 +43,6 @@ def test_engine_keywords_reach_the_lora_config(tiny_llama: Path) -> None:
     assert config.lora_config == LoRAConfig(True, 2, 3, 16)
 
 
-def test_lora_with_data_parallel_is_refused(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="data_parallel_size must be 1"):
-        EngineConfig.from_kwargs(tiny_llama, device="cpu", enable_lora=True, data_parallel_size=2)
-
-
 def test_a_lora_request_needs_a_name() -> None:
     with pytest.raises(ValueError, match="non-empty string"):
         LoRARequest("")
