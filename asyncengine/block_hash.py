@@ -16,10 +16,13 @@ def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return blake2b(parent_hash + packed, digest_size=16).digest()
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[bytes]:
-    """The chained hashes of the prompt's leading full blocks (at most `max_blocks`)."""
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, max_blocks: int, seed: bytes = b""
+) -> list[bytes]:
+    """The chained hashes of the prompt's leading full blocks (at most `max_blocks`); `seed`
+    is the first block's parent (a LoRA adapter's salt: its blocks are other blocks)."""
     hashes: list[bytes] = []
-    parent = b""
+    parent = seed
     for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)

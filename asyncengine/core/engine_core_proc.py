@@ -248,11 +248,14 @@ class EngineCoreLoop:
             if self.num_clients > 1:
                 self._client_of[request.request_id] = request.client_index
         except ValueError as exc:
-            # The client validates first, so this is rare: finish the request, keep serving.
+            # The client validates first, so this is rare (a LoRA adapter removed by another
+            # client meanwhile): finish the request, its sender's stream raises ValueError
+            # (InvalidRequestError), keep serving.
             logger.warning("request %r refused: %s", request.request_id, exc)
             refused = EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc)
-            )
+                request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc),
+                error=str(exc), bad_request=True,
+            )  # fmt: skip
             self.emit(
                 EngineCoreOutputs(outputs=[refused], timestamp=time.monotonic()),
                 request.client_index,

@@ -56,3 +56,26 @@ def test_round_robin_takes_turns() -> None:
     assert [router.route([1]) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     router.remove(1)
     assert [router.route([1]) for _ in range(4)] == [0, 2, 0, 2]
+
+
+def test_prefix_routing_keeps_an_adapters_requests_together_and_its_prefixes_apart() -> None:
+    router = Router(2, "prefix", block_size=16, prefix_margin=8)
+    first = router.route([1, 2, 3], "support")  # no prefix, no owner: the least loaded
+    router.sent(first)
+    other = 1 - first
+    # Another prompt for the same adapter: its rank, though busier (by 4 <= 8).
+    assert router.route([7, 8, 9], "support") == first
+    router.sent(first)
+    assert router.route([4, 5, 6], "billing") == other  # a new adapter: by load
+    # The base model's copy of an adapter's prompt is not that adapter's prefix.
+    router.sent(other)
+    router.sent(other)
+    base = router.route([*PREFIX, 1])
+    router.sent(base)
+    assert router.route([*PREFIX, 2], "support") == first
+    # Busier by more than the margin: the least-loaded rank, which owns the adapter from now.
+    router.report(first, CoreLoad(4, 0, 0.5))
+    router.report(other, CoreLoad(0, 0, 0.0))
+    assert router.route([10, 11], "support") == other
+    router.report(first, CoreLoad(0, 0, 0.0))
+    assert router.route([12, 13], "support") == other

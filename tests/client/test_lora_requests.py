@@ -174,6 +174,21 @@ async def test_bad_folders_and_names_are_value_errors_and_others_go_on(
     await _assert_kv_free(engine)
 
 
+async def test_a_name_the_core_does_not_hold_fails_only_its_request(
+    engine: AsyncLLM, prompts: list[list[int]], reference: Any
+) -> None:
+    # As when another API server removed the adapter a moment ago: this client still lists
+    # it, the core refuses the request, and its stream raises.
+    engine._loras["ghost"] = "/nowhere"
+    try:
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'ghost'"):
+            await _tokens(engine, prompts[0], LoRARequest("ghost"))
+    finally:
+        del engine._loras["ghost"]
+    assert await _tokens(engine, prompts[0], None) == reference[None][0]
+    await _assert_kv_free(engine)
+
+
 async def test_every_data_parallel_rank_serves_the_adapters(
     chat_model: Path,
     adapters: dict[str, Path],

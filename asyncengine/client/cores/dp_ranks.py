@@ -71,7 +71,7 @@ class DataParallelRanks(RankBook):
         elif "#" in request.request_id and self._last_base and self._last_base[0] == base:
             rank = self._last_base[1]  # another copy (`id#i`) of an n > 1 request: its rank
         else:
-            rank = self.router.route(request.prompt_token_ids)
+            rank = self.router.route(request.prompt_token_ids, request.lora_name)
         self._last_base = (base, rank)
         self._rank_of[request.request_id] = rank
         self.router.sent(rank)

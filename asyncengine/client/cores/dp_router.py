@@ -8,7 +8,10 @@ Policies (`data_parallel_routing`):
 - "prefix" (default): the rank that most recently received the same leading full KV blocks
   (hashed as the prefix cache hashes them), so the request finds its prefix cached there;
   unless that rank's load exceeds the least-loaded rank's by more than `prefix_margin`
-  (then "load"). Requests with no full block, or no known prefix, go by load.
+  (then "load"). Requests with no full block, or no known prefix, go by load; those for a
+  LoRA adapter first to the rank that last received one for it (within the same margin), so
+  each rank runs few adapters (their per-step slots, `max_loras`, stay free) and finds them
+  loaded. An adapter's prefixes are its own (hashed with its name as the seed).
 - "round_robin": each live rank in turn.
 """
 
@@ -39,20 +42,21 @@ class Router:
         self.in_flight = [0] * size  # requests sent since the rank's last load report
         self.live = set(range(size))
         self._prefix_owner: OrderedDict[bytes, int] = OrderedDict()
+        self._adapter_owner: dict[str, int] = {}  # LoRA adapter -> the rank it last went to
         self._turns = itertools.cycle(range(size))
 
     def score(self, rank: int) -> int:
         load = self.loads[rank]
         return (load.num_waiting_reqs + self.in_flight[rank]) * 4 + load.num_running_reqs
 
-    def route(self, prompt_token_ids: list[int]) -> int:
+    def route(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
         """The rank for a new request (ValueError-free: the caller checks a rank is live)."""
         if self.policy == "round_robin":
             rank = next(r for r in self._turns if r in self.live)
         elif self.policy == "load":
             rank = self._least_loaded()
         else:
-            rank = self._by_prefix(prompt_token_ids)
+            rank = self._by_prefix(prompt_token_ids, lora_name)
         return rank
 
     def sent(self, rank: int) -> None:
@@ -71,14 +75,17 @@ class Router:
     def _least_loaded(self) -> int:
         return min(self.live, key=lambda r: (self.score(r), r))
 
-    def _by_prefix(self, prompt_token_ids: list[int]) -> int:
-        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, _MAX_HASHED_BLOCKS)
+    def _by_prefix(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
+        seed = b"" if lora_name is None else f"lora\0{lora_name}".encode()
+        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, _MAX_HASHED_BLOCKS, seed)
         owner: int | None = None
         for block_hash in hashes:  # chained: the deepest known block wins; stop at a miss
             rank = self._prefix_owner.get(block_hash)
             if rank is None:
                 break
             owner = rank
+        if owner is None and lora_name is not None:
+            owner = self._adapter_owner.get(lora_name)
         least = self._least_loaded()
         if owner is None or owner not in self.live:
             rank = least
@@ -86,6 +93,8 @@ class Router:
             rank = least  # a cached prefix is not worth that much queueing
         else:
             rank = owner
+        if lora_name is not None:
+            self._adapter_owner[lora_name] = rank
         # This rank now holds (or will, after this prefill) these blocks: remember it.
         for block_hash in hashes:
             self._prefix_owner[block_hash] = rank
