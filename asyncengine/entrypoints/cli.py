@@ -522,14 +522,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_kwargs.setdefault("enable_lora", True)
     _check_before_loading(model, engine_kwargs)
     if args.api_server_count != 1:
-        if lora_modules or args.enable_lora_runtime_updates:
-            print(
-                "asyncengine serve: LoRA adapters are served by one API server for now: "
-                "--lora-modules and --enable-lora-runtime-updates need --api-server-count 1",
-                file=sys.stderr,
-            )
-            return 2
-        return _serve_api_servers(args, model)
+        return _serve_api_servers(args, model, engine_kwargs, lora_modules)
     engine = AsyncLLM.from_pretrained(model, **engine_kwargs)
     from asyncengine.gguf.serving import served_model_name
 
@@ -556,7 +549,12 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
+def _serve_api_servers(
+    args: argparse.Namespace,
+    model: str,
+    engine_kwargs: dict[str, Any],
+    lora_modules: dict[str, str],
+) -> int:
     """`serve --api-server-count K`: K API server processes over the engine cores, under a
     manager process (this one)."""
     from asyncengine.config import EngineConfig
@@ -570,7 +568,7 @@ def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
             file=sys.stderr,
         )
         return 2
-    config = EngineConfig.from_kwargs(model, **engine_kwargs_from_args(args))
+    config = EngineConfig.from_kwargs(model, **engine_kwargs)
     if config.parallel_config.data_parallel_backend != "mp":
         print(
             "asyncengine serve: --api-server-count > 1 runs its engine cores on this machine "
@@ -589,6 +587,8 @@ def _serve_api_servers(args: argparse.Namespace, model: str) -> int:
         host=args.host,
         port=args.port,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     manager = APIServerProcessManager(config, options, api_server_count=args.api_server_count)

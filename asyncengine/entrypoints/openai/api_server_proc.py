@@ -45,6 +45,8 @@ class ServerOptions(msgspec.Struct, gc=False):
     host: str
     port: int
     reasoning_parser: str | None = None
+    lora_modules: dict[str, str] = {}  # serve --lora-modules: each API server adds them
+    enable_lora_runtime_updates: bool = False
 
 
 class APIServerLaunch(msgspec.Struct, gc=False):
@@ -94,6 +96,8 @@ def serve(launch: APIServerLaunch) -> None:
         metrics_dir=launch.metrics_dir,
         api_server_index=launch.client_index,
         reasoning_parser=options.reasoning_parser,
+        lora_modules=options.lora_modules,
+        enable_lora_runtime_updates=options.enable_lora_runtime_updates,
     )
     server = make_server(
         app,

@@ -162,12 +162,13 @@ class _Endpoints:
         self.state = state
 
     async def list_models(self, request: Request) -> Response:
+        await self.state.refresh_loras()
         adapters = [self._card(name) for name in self.state.engine.lora_names]
         return _json(ModelList(data=[self._card(), *adapters]))
 
     async def retrieve_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        lora = self.state.lora_for(name)
+        lora = await self.state.lora_for(name)
         return _json(self._card(None if lora is None else lora.name))
 
     def _card(self, adapter: str | None = None) -> ModelCard:

@@ -85,7 +85,7 @@ class ChatServing:
         arrival = time.monotonic()
         state = self.state
         req = await decode_request(request, state.max_request_body_bytes, ChatCompletionRequest)
-        lora = state.lora_for(req.model)
+        lora = await state.lora_for(req.model)
         state.check_ready()
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         params = _params(req, tools, state.engine.config.model_config.sampling_defaults)

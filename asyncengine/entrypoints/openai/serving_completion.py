@@ -69,7 +69,7 @@ class CompletionServing:
         arrival = time.monotonic()
         state = self.state
         req = await decode_request(request, state.max_request_body_bytes, CompletionRequest)
-        lora = state.lora_for(req.model)
+        lora = await state.lora_for(req.model)
         state.check_ready()
         params = _params(req, state.engine.config.model_config.sampling_defaults)
         prompts = self._prompts(req, params)

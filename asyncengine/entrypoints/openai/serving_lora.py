@@ -75,6 +75,8 @@ class LoRAServing:
         req = await decode_request(request, state.max_request_body_bytes, UnloadLoRAAdapterRequest)
         state.check_ready()
         if req.lora_name not in state.engine.lora_names:
+            await state.refresh_loras()  # another API server may have loaded it
+        if req.lora_name not in state.engine.lora_names:
             raise OpenAIError(
                 404, f"The LoRA adapter `{req.lora_name}` is not loaded.", "lora_name"
             )

@@ -40,11 +40,13 @@ class ServerState:
                 f"`{self.model_name}`.", "model"
             )  # fmt: skip
 
-    def lora_for(self, model: str | None) -> LoRARequest | None:
+    async def lora_for(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's `model` names; None for the served model (or none
         given); 404 for any other name."""
         if model is None or model == self.model_name:
             return None
+        if model not in self.engine.lora_names:
+            await self.refresh_loras()  # another API server may have loaded it
         if model in self.engine.lora_names:
             return LoRARequest(model)
         adapters = ", ".join(f"`{n}`" for n in self.engine.lora_names)
@@ -53,6 +55,13 @@ class ServerState:
             f"`{self.model_name}`" + (f" and the LoRA adapters {adapters}." if adapters else "."),
             "model",
         )  # fmt: skip
+
+    async def refresh_loras(self) -> None:
+        """Learn the adapters the engine holds now (with `serve --api-server-count`, another
+        API server may have loaded or unloaded one)."""
+        engine = self.engine
+        if engine.config.lora_config.enable_lora and engine.is_running:
+            await engine.list_loras()
 
     def check_ready(self) -> None:
         """503 when the engine cannot take a request: dead, not started, or shutting down."""

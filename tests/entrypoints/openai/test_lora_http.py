@@ -5,11 +5,18 @@ the API key), and 404 / 400 for unknown names and bad folders."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from openai_testing import API_KEY, ENGINE_KW, MODEL_NAME, RunningServer, run_in_thread
 
@@ -19,7 +26,7 @@ from asyncengine.entrypoints.openai import build_app
 from asyncengine.entrypoints.openai.serving_lora import parse_lora_modules
 from asyncengine.testing.lora import build_peft_adapter
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 
@@ -113,3 +120,52 @@ def test_serve_refuses_a_bad_lora_module_before_loading(
 ) -> None:
     assert cli.main(["serve", str(chat_model), "--port", "0", "--lora-modules", "oops"]) == 2
     assert "give name=path" in capsys.readouterr().err
+
+
+def test_two_api_servers_serve_the_adapters_and_learn_each_others_loads(
+    chat_model: Path, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(chat_model),
+        "--port", "0", "--served-model-name", MODEL_NAME, "--no-access-log", "--device", "cpu",
+        "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "128",
+        "--api-server-count", "2", "--shutdown-timeout", "5",
+        "--lora-modules", f"attn={folders['attn']}", "--enable-lora-runtime-updates",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 150
+        while len(re.findall(r"Application startup complete", log.read_text())) < 2:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        m = re.search(r"serving on ([\d.]+):(\d+)", log.read_text())
+        assert m is not None, log.read_text()
+        url = f"http://{m.group(1)}:{m.group(2)}"
+        body = {"lora_name": "mlp", "lora_path": str(folders["mlp"])}
+        assert httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+        # Fresh connections, so that both API servers answer some: every one knows both.
+        texts: dict[str, set[str]] = {"attn": set(), "mlp": set()}
+        for _ in range(6):
+            for name in texts:
+                request = {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+                r = httpx.post(url + "/v1/completions", json=request, timeout=60)
+                assert r.status_code == 200, r.text
+                texts[name].add(r.json()["choices"][0]["text"])
+            models = httpx.get(url + "/v1/models", timeout=60).json()["data"]
+            assert {m["id"] for m in models} == {MODEL_NAME, "attn", "mlp"}
+        assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one answer each
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)  # the manager drains both servers and the core
+        try:
+            assert proc.wait(timeout=30) == 0, log.read_text()
+        finally:
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
