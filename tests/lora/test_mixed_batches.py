@@ -241,3 +241,17 @@ def test_an_adapter_removed_in_flight_stays_loaded_until_its_requests_finish(
     (final,) = [o for o in outputs if o.request_id == request_id]
     assert list(final.outputs[0].token_ids) == llama_case.reference["attn"][1]
     assert "attn" not in manager.adapters and "attn" not in manager.loaded
+
+
+def test_llm_chat_with_an_adapter_is_generate_on_the_rendered_prompt(
+    llama_case: Case, chat_model: Path, llm_factory: Callable[..., LLM]
+) -> None:
+    # chat_model is tiny_llama with a chat template: the same weights, so the same adapters.
+    llm = llm_factory(chat_model)
+    hello = [{"role": "user", "content": "hello"}]
+    (chat,) = llm.chat(hello, GREEDY, use_tqdm=False, lora_request=llama_case.adapter("mlp"))
+    assert chat.prompt is not None
+    ids = llm.get_tokenizer().encode(chat.prompt, add_special_tokens=False)
+    assert list(chat.outputs[0].token_ids) == _tokens(llm, [ids], LoRARequest("mlp"))[0]
+    (base,) = llm.chat(hello, GREEDY, use_tqdm=False)
+    assert list(base.outputs[0].token_ids) != list(chat.outputs[0].token_ids)
