@@ -255,3 +255,22 @@ def test_llm_chat_with_an_adapter_is_generate_on_the_rendered_prompt(
     assert list(chat.outputs[0].token_ids) == _tokens(llm, [ids], LoRARequest("mlp"))[0]
     (base,) = llm.chat(hello, GREEDY, use_tqdm=False)
     assert list(base.outputs[0].token_ids) != list(chat.outputs[0].token_ids)
+
+
+def test_adapters_with_speculative_decoding_keep_greedy_exactness(
+    llama_case: Case, llm_factory: Callable[..., LLM]
+) -> None:
+    # Repetitive prompts, so the n-gram proposer drafts; the verify rows run with the adapter.
+    prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 9]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    llm = llm_factory(llama_case.base, speculative_config=spec)
+    names: list[str | None] = ["attn", None, "all"]
+    expected = {
+        n: peft_greedy(llama_case.base, n and llama_case.folders[n], prompts, NEW_TOKENS)
+        for n in names
+    }
+    loras = [llama_case.lora(n) for n in names for _ in prompts]
+    got = _tokens(llm, prompts * len(names), loras)
+    assert got == [expected[n][i] for n in names for i in range(len(prompts))]
+    stats = llm.statistics()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # it did speculate
