@@ -19,8 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from asyncengine.default_model import resolve_model
-from asyncengine.gguf.serving import gguf_hf_config, is_gguf_file
+from asyncengine.gguf.serving import is_gguf_file
+from asyncengine.gpus import resolve_device, visible_gpus
 from asyncengine.lora.request import LoRAConfig
+from asyncengine.model_files import (
+    architecture,
+    eos_token_ids,
+    model_len_limit,
+    read_generation_config,
+    read_hf_config,
+    sampling_defaults,
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -47,15 +56,6 @@ _DEFAULT_BATCHED_TOKENS = {"cpu": 1024, "cuda": 2048}
 _CPU_STEP_WEIGHT_TOKENS = 2**38
 _CPU_MIN_BATCHED_TOKENS = 256
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
-# generation_config.json's sampling fields → SamplingParams' names (vLLM applies the same).
-_GENERATION_SAMPLING_FIELDS = (
-    ("temperature", "temperature"),
-    ("top_p", "top_p"),
-    ("top_k", "top_k"),
-    ("min_p", "min_p"),
-    ("repetition_penalty", "repetition_penalty"),
-    ("max_new_tokens", "max_tokens"),
-)
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -500,9 +500,9 @@ class EngineConfig:
         check themselves: ValueError naming the field; TypeError for an unknown keyword."""
         _refuse_unknown_keywords(unknown)
         model_dir = resolve_model(model)
-        hf = _read_hf_config(model_dir)
-        generation = _read_generation_config(model_dir, generation_config)
-        device_config = DeviceConfig(device=_resolve_device(device))
+        hf = read_hf_config(model_dir)
+        generation = read_generation_config(model_dir, generation_config)
+        device_config = DeviceConfig(device=resolve_device(device))
         on = device_config.device
         model_config = _model_config(
             model_dir, hf, generation, generation_config,
@@ -616,26 +616,26 @@ def _model_config(
     quantization: str | None = None,
 ) -> ModelConfig:
     """The model's shapes from its config.json, with the keywords' 'auto' values resolved."""
-    model_len_limit = _model_len_limit(hf)
+    len_limit = model_len_limit(hf)
     num_heads = int(hf["num_attention_heads"])
     intermediate = hf.get("intermediate_size")
     return ModelConfig(
         model=str(model_dir),
-        architecture=_architecture(hf, model_dir),
+        architecture=architecture(hf, model_dir),
         dtype=_resolve_dtype(dtype, hf, device),
-        max_model_len=model_len_limit if max_model_len is None else max_model_len,
+        max_model_len=len_limit if max_model_len is None else max_model_len,
         vocab_size=int(hf["vocab_size"]),
         num_layers=int(hf["num_hidden_layers"]),
         num_attention_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
         hidden_size=int(hf["hidden_size"]),
-        eos_token_ids=_eos_token_ids(hf, generation),
+        eos_token_ids=eos_token_ids(hf, generation),
         seed=seed,
         intermediate_size=int(intermediate) if isinstance(intermediate, int) else None,
         attention_backend=_resolve_attention_backend(attention_backend, device),
-        sampling_defaults=_sampling_defaults(generation, generation_source),
-        max_position_embeddings=model_len_limit,
+        sampling_defaults=sampling_defaults(generation, generation_source),
+        max_position_embeddings=len_limit,
         enforce_eager=enforce_eager,
         quantization=quantization,
     )
@@ -715,106 +715,6 @@ def _resolve_attention_backend(backend: str, device: str) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
-def _read_hf_config(model_dir: Path) -> dict[str, Any]:
-    if is_gguf_file(model_dir):  # resolve_model checked it: its config is its metadata's
-        return gguf_hf_config(model_dir)
-    if not model_dir.is_dir():
-        raise ValueError(
-            f"model={str(model_dir)!r} is not a directory: give a local Hugging Face model "
-            "folder (config.json, *.safetensors, tokenizer files), or 'default' for the "
-            "embedded default model; nothing is downloaded"
-        )
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model={str(model_dir)!r} has no config.json")
-    with path.open() as f:
-        hf: dict[str, Any] = json.load(f)
-    # Multimodal wrappers keep the language model's settings in text_config.
-    if "num_attention_heads" not in hf and isinstance(hf.get("text_config"), dict):
-        hf = {**hf["text_config"], "architectures": hf.get("architectures")}
-    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
-        if key not in hf:
-            raise ValueError(f"{path} lacks {key!r}: is this a decoder-only language model?")
-    return hf
-
-
-def _architecture(hf: dict[str, Any], model_dir: Path) -> str:
-    archs = hf.get("architectures") or []
-    if not archs:
-        raise ValueError(f"{model_dir}/config.json names no architecture ('architectures')")
-    return str(archs[0])
-
-
-def _model_len_limit(hf: dict[str, Any]) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        if isinstance(hf.get(key), int):
-            return int(hf[key])
-    return 2048
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    # Checking for CUDA must not import torch on the client: look for a visible NVIDIA device.
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return "cpu"
-    return "cuda" if Path("/dev/nvidiactl").exists() and _torch_has_cuda() else "cpu"
-
-
-def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
-    """The GPUs a CUDA process started from here would see, as CUDA_VISIBLE_DEVICES
-    entries in CUDA's order ("0", "1", or "GPU-<uuid>" / "MIG-<uuid>"); None where this
-    can't tell (CUDA_VISIBLE_DEVICES unset and no /proc/driver/nvidia).
-
-    Counted without torch, so that the client stays torch-free and quick to start (torch
-    asks NVML, which agrees but for MIG UUIDs, which it can check and this can't): the driver
-    lists each GPU it drives under /proc/driver/nvidia/gpus/ (in a container the NVIDIA
-    runtime mounts only the container's GPUs there), and CUDA_VISIBLE_DEVICES narrows that
-    the way CUDA does, up to its first entry that is not a device (out of range, repeated,
-    "-1", or not a number or a UUID; a GPU UUID is checked against the driver's, a MIG
-    UUID is taken as given). Where this overcounts, the engine's own start fails instead
-    (worker_device names the GPU it lacks).
-
-    `environ`: the environment whose CUDA_VISIBLE_DEVICES counts (default: this process's)."""
-    installed = _nvidia_gpus()
-    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None if installed is None else [str(i) for i in range(len(installed))]
-    visible: list[str] = []
-    for entry in (e.strip() for e in value.split(",")):
-        if entry.isdigit():
-            entry = str(int(entry))
-            if installed is not None and int(entry) >= len(installed):
-                break
-        elif entry.startswith("GPU-"):
-            # CUDA takes a UUID's unambiguous prefix too.
-            if installed and all(installed) and not any(u.startswith(entry) for u in installed):
-                break
-        elif not entry.startswith("MIG-"):
-            break
-        if entry in visible:
-            break
-        visible.append(entry)
-    return visible
-
-
-def _nvidia_gpus() -> list[str] | None:
-    """The UUID of each GPU the NVIDIA driver lists ("" where it doesn't say); None: no
-    driver information here."""
-    try:
-        folders = sorted(Path("/proc/driver/nvidia/gpus").iterdir())
-    except OSError:
-        return None
-    uuids: list[str] = []
-    for folder in folders:
-        try:
-            found = re.search(r"GPU UUID:\s*(GPU-\S+)", (folder / "information").read_text())
-        except OSError:
-            found = None
-        uuids.append(found.group(1) if found else "")
-    return uuids
-
-
 def check_gpu_count(parallel: ParallelConfig, visible: list[str] | None) -> None:
     """ValueError when the engine cores of this machine need more GPUs than are `visible`
     (None: unknown, not checked): with data_parallel_backend="mp" every worker of every rank
@@ -836,17 +736,6 @@ def check_gpu_count(parallel: ParallelConfig, visible: list[str] | None) -> None
     )
 
 
-def _torch_has_cuda() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return False
-    # A CPU wheel has no CUDA libraries next to it.
-    lib = Path(spec.origin).parent / "lib"
-    return any(lib.glob("libtorch_cuda*"))
-
-
 def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
     if dtype != "auto":
         return dtype
@@ -857,62 +746,3 @@ def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
     if device == "cpu" and declared == "float16":
         return "bfloat16"
     return declared
-
-
-def _eos_token_ids(hf: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    for src in (hf, generation):
-        eos = src.get("eos_token_id")
-        for tok in eos if isinstance(eos, list) else [eos]:
-            if isinstance(tok, int) and tok not in ids:
-                ids.append(tok)
-    return tuple(ids)
-
-
-def _read_generation_config(model_dir: Path, source: object) -> dict[str, Any]:
-    """generation_config.json of the model folder ("auto", and "vllm": its eos ids are still
-    the model's), or of the folder `source` names; {} where there is none."""
-    if not isinstance(source, str) or not source:
-        raise ValueError(
-            f"generation_config={source!r} is invalid: must be 'auto' (the model's sampling "
-            "defaults), 'vllm' (none) or a folder holding a generation_config.json"
-        )
-    folder = model_dir if source in ("auto", "vllm") else Path(source).expanduser()
-    path = folder / "generation_config.json"
-    if source not in ("auto", "vllm") and not path.is_file():
-        raise ValueError(f"generation_config={source!r}: {path} does not exist")
-    if not path.is_file():
-        return {}
-    try:
-        with path.open() as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not readable JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
-
-
-def _sampling_defaults(
-    generation: dict[str, Any], source: str
-) -> tuple[tuple[str, float | int], ...]:
-    """The sampling fields of a generation config that requests inherit (vLLM's list), each
-    checked as SamplingParams checks it: a bad file is an error naming it at load, not a
-    failure of every request later."""
-    if source == "vllm":
-        return ()
-    from asyncengine.sampling_params import SamplingParams
-
-    found: dict[str, float | int] = {}
-    for hf_name, name in _GENERATION_SAMPLING_FIELDS:
-        value = generation.get(hf_name)
-        if value is not None:
-            found[name] = value
-    try:
-        SamplingParams(**found)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"the model's generation_config.json has an invalid sampling default: {exc} "
-            "(fix the file, or pass generation_config='vllm' to ignore its defaults)"
-        ) from None
-    return tuple(sorted(found.items()))

@@ -42,8 +42,10 @@ LAYERS: list[tuple[str, ...]] = [
         "asyncengine.default_model",
         "asyncengine.errors",
         "asyncengine.gguf",  # GGUF files read with the standard library (config reads them)
+        "asyncengine.gpus",  # the visible GPUs, found without torch
         "asyncengine.heap",
         "asyncengine.lora",  # LoRARequest, LoRAConfig, PEFT folder checks (no torch)
+        "asyncengine.model_files",  # config.json and generation_config.json, read with json
         "asyncengine.outputs",
         "asyncengine.paths",
         "asyncengine.process_setup",

@@ -24,7 +24,8 @@ import os
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
-from asyncengine.config import ParallelConfig, visible_gpus
+from asyncengine.config import ParallelConfig
+from asyncengine.gpus import visible_gpus
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import asyncengine.config as config_module
+import asyncengine.gpus as gpus_module
 from asyncengine.config import EngineConfig
 from asyncengine.entrypoints import cli, cli_checks
 
@@ -89,7 +89,7 @@ def test_more_ranks_than_gpus_is_a_one_line_error(
     """One GPU, two ranks: refused before anything loads, naming the numbers (the check of
     --device itself is set aside: this torch may have no CUDA)."""
     monkeypatch.setattr(cli_checks, "check_device", lambda device: None)
-    monkeypatch.setattr(config_module, "_nvidia_gpus", lambda: [""])
+    monkeypatch.setattr(gpus_module, "_nvidia_gpus", lambda: [""])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     where = ["hello"] if command == "generate" else ["--port", "0"]
     argv = [command, str(tiny_llama), *where, "--device", "cuda", "--data-parallel-size", "2"]

@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 
 import asyncengine.config as config_module
+import asyncengine.gpus as gpus_module
 from asyncengine import AsyncLLM, EngineConfig
 from asyncengine.child_process import ChildProcess
 from asyncengine.client.cores.ray_core import RayCluster
-from asyncengine.config import check_gpu_count, visible_gpus
+from asyncengine.config import check_gpu_count
 from asyncengine.executor.placement import claim_rank_gpus, rank_gpus, worker_device
+from asyncengine.gpus import visible_gpus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +41,7 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     class Machine:
         installed = 8
 
-    monkeypatch.setattr(config_module, "_nvidia_gpus", lambda: [""] * Machine.installed)
+    monkeypatch.setattr(gpus_module, "_nvidia_gpus", lambda: [""] * Machine.installed)
     monkeypatch.delenv(CUDA_ENV, raising=False)
     yield Machine
 
@@ -186,7 +188,7 @@ def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(
 
 def test_gpu_uuids_are_checked_against_the_drivers(monkeypatch: pytest.MonkeyPatch) -> None:
     installed = ["GPU-aaaa-1111", "GPU-bbbb-2222"]
-    monkeypatch.setattr(config_module, "_nvidia_gpus", lambda: installed)
+    monkeypatch.setattr(gpus_module, "_nvidia_gpus", lambda: installed)
     assert visible_gpus({CUDA_ENV: "GPU-bbbb,GPU-aaaa-1111"}) == ["GPU-bbbb", "GPU-aaaa-1111"]
     assert visible_gpus({CUDA_ENV: "GPU-bbbb,GPU-cccc,GPU-aaaa"}) == ["GPU-bbbb"]
     assert visible_gpus({CUDA_ENV: "MIG-dddd"}) == ["MIG-dddd"]  # taken as given
@@ -195,7 +197,7 @@ def test_gpu_uuids_are_checked_against_the_drivers(monkeypatch: pytest.MonkeyPat
 def test_without_driver_information_the_count_is_unknown_and_not_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(config_module, "_nvidia_gpus", lambda: None)
+    monkeypatch.setattr(gpus_module, "_nvidia_gpus", lambda: None)
     assert visible_gpus({}) is None
     assert visible_gpus({CUDA_ENV: "0,5"}) == ["0", "5"]  # no way to tell 5 is missing
     check_gpu_count(config_module.ParallelConfig(data_parallel_size=64), None)
@@ -206,7 +208,7 @@ def test_counting_gpus_does_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys; from asyncengine.config import visible_gpus; visible_gpus(); "
+        "import sys; from asyncengine.gpus import visible_gpus; visible_gpus(); "
         "assert 'torch' not in sys.modules"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)

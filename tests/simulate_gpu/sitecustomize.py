@@ -30,11 +30,11 @@ def resolve_device(device: str) -> str:
 
 
 def patch_config(module: ModuleType) -> None:
-    if not callable(getattr(module, "_resolve_device", None)):
+    if not callable(getattr(module, "resolve_device", None)):
         raise RuntimeError(
-            f"{PATCHED_MODULE} has no _resolve_device to patch: update tests/simulate_gpu"
+            f"{PATCHED_MODULE} has no resolve_device to patch: update tests/simulate_gpu"
         )
-    module._resolve_device = resolve_device  # type: ignore[attr-defined]
+    module.resolve_device = resolve_device  # type: ignore[attr-defined]
 
 
 def _patched_after(execute: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
