@@ -276,7 +276,12 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             if self.lora_slots is not None and not self.lora_slots.fits(request, self.running):
-                break  # its adapter waits for a slot (max_loras adapters run already)
+                # Its adapter waits for a slot (max_loras adapters run already): a request
+                # behind it that may run goes first.
+                found = self.lora_slots.first_fitting(self.waiting, self.running)
+                if found is None:
+                    break
+                request = found
             if request.sampling_params.prompt_logprobs is None and request.pooling is None:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             else:  # every prompt position's logits (or hidden states) are wanted: nothing is
@@ -286,7 +291,10 @@ class Scheduler:
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
                 break
-            self.waiting.pop()
+            if request is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
