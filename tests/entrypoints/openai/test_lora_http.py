@@ -51,14 +51,6 @@ def server(chat_model: Path, folders: dict[str, Path]) -> Iterator[RunningServer
         yield running
 
 
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60
-    ) as client:
-        yield client
-
-
 def _complete(client: openai.OpenAI, model: str) -> str:
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     return out.choices[0].text
