@@ -65,7 +65,8 @@ def test_a_share_larger_than_the_free_memory_is_refused_naming_the_other_process
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.timeout(600)
+# Inside gpu_check.sh's limit for the gpu tests, so that a hang dumps its stacks there.
+@pytest.mark.timeout(120)
 def test_two_engines_with_0_4_each_run_on_one_card(tiny_llama: Path) -> None:
     from asyncengine import LLM, SamplingParams
 
