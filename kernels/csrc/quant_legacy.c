@@ -298,6 +298,37 @@ static ALWAYS_INLINE float unpack_block(int fmt, const uint8_t *blk, int8_t *res
     return f16_at(blk);
 }
 
+#ifdef HAVE_AVX2
+/* Block b of the AVX2 tile (below) into the sums acc. */
+static ALWAYS_INLINE void avx2_block(const int fmt, const int R, const int C, const uint8_t *w,
+                                     int64_t row_bytes, int64_t b, const int8_t *qa,
+                                     const float *da, int64_t nb, int64_t K,
+                                     __m256 acc[MAX_R][MAX_C]) {
+    const int is_unsigned = has_min(fmt);
+    const int64_t bb = block_bytes(fmt);
+    __m256i wv[MAX_C], wx[MAX_C];
+    __m256 dw[MAX_C];
+    for (int c = 0; c < C; c++) {
+        const uint8_t *blk = w + c * row_bytes + b * bb;
+        dw[c] = _mm256_set1_ps(f16_at(blk));
+        wv[c] = load_w(fmt, blk);
+        /* |w|; |-128| reads as 128 unsigned */
+        wx[c] = is_unsigned ? wv[c] : _mm256_sign_epi8(wv[c], wv[c]);
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * K + b * QK));
+        const __m256 d = _mm256_set1_ps(da[r * nb + b]);
+        for (int c = 0; c < C; c++) {
+            const __m256i p =
+                _mm256_maddubs_epi16(wx[c], is_unsigned ? a : _mm256_sign_epi8(a, wv[c]));
+            const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[c], d),
+                                        acc[r][c]);
+        }
+    }
+}
+#endif
+
 /*
  * res[r * res_st + c] = the product of x row r (qa + r * K, scales da + r * nb, block sums
  * sa + r * sa_st) with weight row c (w + c * row_bytes), for r < R, c < C; nb blocks. R, C,
@@ -310,32 +341,23 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
     const int64_t bb = block_bytes(fmt);
 #ifdef HAVE_AVX2
     if (path != PATH_SCALAR) {
-        const int is_unsigned = has_min(fmt);
-        __m256 acc[MAX_R][MAX_C];
+        __m256 acc[MAX_R][MAX_C], acc2[MAX_R][MAX_C];
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i wv[MAX_C], wx[MAX_C];
-            __m256 dw[MAX_C];
-            for (int c = 0; c < C; c++) {
-                const uint8_t *blk = w + c * row_bytes + b * bb;
-                dw[c] = _mm256_set1_ps(f16_at(blk));
-                wv[c] = load_w(fmt, blk);
-                /* |w|; |-128| reads as 128 unsigned */
-                wx[c] = is_unsigned ? wv[c] : _mm256_sign_epi8(wv[c], wv[c]);
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * K + b * QK));
-                const __m256 d = _mm256_set1_ps(da[r * nb + b]);
-                for (int c = 0; c < C; c++) {
-                    const __m256i p = _mm256_maddubs_epi16(
-                        wx[c], is_unsigned ? a : _mm256_sign_epi8(a, wv[c]));
-                    const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[c], d),
-                                                acc[r][c]);
-                }
+            for (int c = 0; c < C; c++) acc[r][c] = acc2[r][c] = _mm256_setzero_ps();
+        int64_t b = 0;
+        /* A tile of one or two sums alternates two sets of them between blocks: one set's
+         * chain of FMAs (4 cycles each) bound the loop (a 1 x 1 tile ran 12 cycles a block
+         * on AMD Zen 4). Larger tiles have chains enough, and no registers to spare. */
+        if (R * C <= 2) {
+            for (; b + 1 < nb; b += 2) {
+                avx2_block(fmt, R, C, w, row_bytes, b, qa, da, nb, K, acc);
+                avx2_block(fmt, R, C, w, row_bytes, b + 1, qa, da, nb, K, acc2);
             }
         }
+        for (; b < nb; b++) avx2_block(fmt, R, C, w, row_bytes, b, qa, da, nb, K, acc);
+        if (R * C <= 2)
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_add_ps(acc[r][c], acc2[r][c]);
         /* m * sa, 8 blocks at a time into the same lanes (sa is zero past the row's end) */
         for (int64_t g = 0; has_min(fmt) && g < nb; g += 8) {
             __m256 mw[MAX_C];
@@ -584,7 +606,7 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 #endif
 
 /* tile() with R and C as constants: one inlined copy per (fmt, path, R, C) that tile_cols
- * makes (1 x 4 for one row of x; R x 2 for more; R x 1 for an item's last rows). The scalar
+ * makes (R x 2 for the nibble formats at 2-4 rows of x, else R x 1). The scalar
  * path, a fallback, has one copy per format, R and C as variables: the copies cost build
  * time (the file takes the longest to compile of all). */
 #ifdef HAVE_VNNI
@@ -616,18 +638,21 @@ static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, c
         return;
     }
     switch (R * 8 + C) {
-        TILE_CASE(fmt, path, 1, 4)
         TILE_RS(fmt, path, 2)
         TILE_RS(fmt, path, 1)
         default: abort();
     }
 }
 
-/* Weight rows per tile: four for one row of x; two for more (AVX2 has 16 registers: 4 x 4 sums
- * and the weights would spill; on VNNI, 4 x 2 tiles measured 0-30% faster than 4 x 4 and 4 x 1
- * at 2-64 rows, on AMD Zen 4). */
-static ALWAYS_INLINE int tile_cols(int path, int64_t M) {
-    return path != PATH_SCALAR && M > 1 ? 2 : 4;
+/* Weight rows per tile: one for Q8_0, and for the others at one row of x; else two (AVX2 has
+ * 16 registers: 4 x 4 sums and the weights would spill). Measured on AMD Zen 4 (2 cores): one
+ * weight row per tile reads one stream front to back, which the hardware prefetchers follow;
+ * four rows of 34-byte blocks side by side ran one-row products 1.5-2x slower (SmolLM2 Q8_0
+ * decoded 88 tok/s against 145), two 1.3x slower at 2 rows; for the nibble formats at 2-8
+ * rows, 4 x 2 tiles stay 0-10% ahead. */
+static ALWAYS_INLINE int tile_cols(int fmt, int path, int64_t M) {
+    if (path == PATH_SCALAR) return 4; /* the portable fallback, as it always ran */
+    return M > 1 && fmt != FMT_Q8_0 ? 2 : 1;
 }
 
 /* ---- the product, item by item ---- */
@@ -647,7 +672,7 @@ struct quant_job {
 static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, const int path,
                                     int64_t n0, int64_t n1, float *res) {
     const int64_t nb = j->K / QK, row_bytes = nb * block_bytes(fmt), cols = n1 - n0;
-    const int cmax = tile_cols(path, j->M);
+    const int cmax = tile_cols(fmt, path, j->M);
     for (int64_t m = 0; m < j->M; m += MAX_R) {
         const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
         const int8_t *qa = j->qa + m * j->K;
