@@ -13,6 +13,13 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+/* Products and sums with their rounding given: GCC may otherwise fuse a multiply and an add
+ * into one FMA (one rounding), and the values would no longer be gguf-py's. */
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#endif
 
 #include "ae_kernels.h"
 #include "bf16.h"
@@ -159,6 +166,58 @@ static void dequant_block(int fmt, const uint8_t *b, float *y) {
     }
 }
 
+#ifdef HAVE_AVX512
+/* A block of 32 values (formats 0-4) decoded as dequant_block decodes it, with AVX512: the
+ * block's q as 32 bytes in element order (the low nibbles are elements 0-15, the high ones
+ * 16-31, and qh's bit j is element j's fifth bit), then the same products. */
+static inline void dequant_block32(int fmt, const uint8_t *b, float *y) {
+    const int has_m = fmt == 2 || fmt == 4, has_h = fmt == 3 || fmt == 4;
+    __m256i q;
+    if (fmt == 0) {
+        q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * has_m + 4 * has_h));
+        const __m128i m4 = _mm_set1_epi8(15);
+        q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        if (has_h) {
+            uint32_t qh;
+            memcpy(&qh, b + 2 + 2 * has_m, 4);
+            q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
+        }
+        if (fmt == 1) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        if (fmt == 3) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    }
+    const __m512 d = _mm512_set1_ps(f16_to_f32(rd16(b)));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    lo = _mm512_mul_round_ps(lo, d, RN);
+    hi = _mm512_mul_round_ps(hi, d, RN);
+    if (has_m) {
+        const __m512 m = _mm512_set1_ps(f16_to_f32(rd16(b + 2)));
+        lo = _mm512_add_round_ps(lo, m, RN);
+        hi = _mm512_add_round_ps(hi, m, RN);
+    }
+    _mm512_storeu_ps(y, lo);
+    _mm512_storeu_ps(y + 16, hi);
+}
+#endif
+
+/* n values of y (a multiple of 16) rounded to bf16 into o, as f32_to_bf16 rounds each. */
+static inline void store_bf16(const float *y, uint16_t *o, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    /* (denormals would flush to zero here; a block's values are never that small: products
+     * of fp16 scales and small integers) */
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(o + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + j)));
+#elif defined(__AVX2__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(o + j), round8_bf16(_mm256_loadu_ps(y + j)));
+#endif
+    for (; j < n; j++) o[j] = f32_to_bf16(y[j]);
+}
+
 int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, void *out,
                         int64_t o_st, int num_threads) {
     if (fmt < 0 || fmt > 7) return -3;
@@ -173,13 +232,16 @@ int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, vo
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + n * row_bytes;
             for (int64_t i = 0; i < nb; i++) {
-                dequant_block(fmt, row + i * BYTES[fmt], y);
+#ifdef HAVE_AVX512
+                if (fmt < 5) dequant_block32(fmt, row + i * BYTES[fmt], y);
+                else
+#endif
+                    dequant_block(fmt, row + i * BYTES[fmt], y);
                 const int64_t at = n * o_st + i * values;
                 if (dt == 0) {
                     memcpy((float *)out + at, y, (size_t)values * 4);
                 } else if (dt == 1) {
-                    uint16_t *o = (uint16_t *)out + at;
-                    for (int64_t j = 0; j < values; j++) o[j] = f32_to_bf16(y[j]);
+                    store_bf16(y, (uint16_t *)out + at, values);
                 } else {
                     _Float16 *o = (_Float16 *)out + at;
                     for (int64_t j = 0; j < values; j++) o[j] = (_Float16)y[j];
