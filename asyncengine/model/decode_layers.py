@@ -27,7 +27,7 @@ from asyncengine.kernels.quant_formats import quant_format
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear, PackedLinear
 from asyncengine.model.lean_layer import LeanLayer
-from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS, QuantLinear
+from asyncengine.model.quant_linear import QuantLinear
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 # Longer steps (prefills) run the Python loop: there the kernels' own time dwarfs the calls'
@@ -215,5 +215,5 @@ def _put_quant(
         fields[_FIELD[f"{prefix}_b"]] = bias.data_ptr()
     fields[_FIELD[f"{prefix}_kp"]] = quant_kp(quant_format(module.qtype).code)
     if module.dequant:  # more rows run the Python loop, where it dequantizes for the GEMM
-        row_limits.append(DEQUANT_MIN_ROWS - 1)
+        row_limits.append(module.dequant_min_rows - 1)
     return int(module.out_features)

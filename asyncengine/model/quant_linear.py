@@ -28,7 +28,7 @@ from asyncengine.kernels.quant_cpu import (
     linear_quant_torch,
     native_formats,
 )
-from asyncengine.kernels.quant_formats import dequantize, in_features
+from asyncengine.kernels.quant_formats import dequantize, in_features, quant_format
 
 
 class QuantLinear(nn.Module):
@@ -45,11 +45,12 @@ class QuantLinear(nn.Module):
         self.native = qtype in _native_formats()  # else the torch reference runs it
         # Many-row products may dequantize it (see DEQUANT_MIN_ROWS), unless it is huge.
         self.dequant = self.out_features * self.in_features <= DEQUANT_MAX_VALUES
+        self.dequant_min_rows = dequant_min_rows(qtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if not self.native:
             return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
-        if self.dequant and x.numel() // self.in_features >= DEQUANT_MIN_ROWS:
+        if self.dequant and x.numel() // self.in_features >= self.dequant_min_rows:
             # Many rows: the weight dequantized into a scratch buffer, then the float GEMM.
             weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, self))
             return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
@@ -62,11 +63,22 @@ class QuantLinear(nn.Module):
 # Products of at least this many rows dequantize the weight (once per product, into a scratch
 # buffer the size of the largest weight, never kept) and run torch's float GEMM on it: there the
 # GEMM's speed outweighs a pass over the weight, while the int8 kernels pay a scale product per
-# block and row (measured on AVX512-VNNI Zen 4: see docs/quantization.md). Fewer rows (decode
-# of a few streams) read the blocks in place with the activations quantized to int8, as
-# llama.cpp does. The two give slightly different sums (no int8 rounding of the activations
-# here), so a request's numbers depend on how many rows its step had, as with any GEMM.
-DEQUANT_MIN_ROWS = 64
+# block and row. Fewer rows (decode of a few streams) read the blocks in place with the
+# activations quantized to int8, as llama.cpp does. The two give slightly different sums (no
+# int8 rounding of the activations here), so a request's numbers depend on how many rows its
+# step had, as with any GEMM. Where the two cross, measured on AVX512-VNNI Zen 4 (one thread,
+# SmolLM2's and Llama-3.2-1B's shapes): 14-16 rows for the blocks of 32 (Q8_0, Q5_0), 33-36
+# for the K-quants, whose int8 kernels do more per byte of weight.
+DEQUANT_MIN_ROWS_BY_BLOCK = {32: 16, 256: 32}
+# From this many rows every format dequantizes.
+DEQUANT_MIN_ROWS = max(DEQUANT_MIN_ROWS_BY_BLOCK.values())
+
+
+def dequant_min_rows(qtype: str) -> int:
+    """The fewest rows of a product over `qtype` blocks that dequantize the weight."""
+    return DEQUANT_MIN_ROWS_BY_BLOCK[quant_format(qtype).values]
+
+
 # A weight of more values always runs on the int8 kernels: the scratch buffer would cost more
 # memory than a model's quantized file saves (a 1B model's 128k-token lm_head, tied to its
 # embedding, is 262M values: 0.5 GB in bf16). 2^25 takes every other projection of such a

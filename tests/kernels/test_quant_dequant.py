@@ -67,8 +67,9 @@ def test_many_row_products_run_the_float_gemm_on_the_dequantized_weight(
     x = torch.randn(DEQUANT_MIN_ROWS + 3, 512, generator=gen).to(dtype)
     expected = F.linear(x, dequantize(qweight, qtype).to(dtype), bias)
     assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x[: layer.dequant_min_rows]), expected[: layer.dequant_min_rows])
     # Fewer rows: the int8 kernels (activations rounded to int8 blocks): close, not equal.
-    few = x[: DEQUANT_MIN_ROWS - 1]
+    few = x[: layer.dequant_min_rows - 1]
     close = F.linear(few.float(), dequantize(qweight, qtype), bias.float())
     scale = close.abs().max()
     assert (layer(few).float() - close).abs().max() <= 0.05 * scale

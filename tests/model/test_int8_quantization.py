@@ -92,7 +92,10 @@ def test_greedy_tokens_equal_the_int8_reference(
     tiny_model_factory: Callable[..., Path], arch: str
 ) -> None:
     model = tiny_model_factory(arch)
-    assert _greedy(model, quantization="int8") == _reference(model, PROMPTS)
+    # Steps of up to 15 tokens: from 16 rows on the products run on the dequantized weight
+    # (quant_linear.DEQUANT_MIN_ROWS_BY_BLOCK), without the int8 rounding the reference does.
+    got = _greedy(model, quantization="int8", max_num_batched_tokens=15)
+    assert got == _reference(model, PROMPTS)
 
 
 def test_the_projections_are_int8_and_the_rest_is_not(
