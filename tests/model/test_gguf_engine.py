@@ -352,3 +352,22 @@ def test_a_rope_freqs_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> Non
     ).path
     with pytest.raises(GGUFError, match=r"rope_freqs.weight is F32 of shape \[5\]: expected 8"):
         LLM(path, device="cpu")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_speculative_decoding_runs_on_quantized_weights(tmp_path: Path, qtype: Q) -> None:
+    """n-gram drafts verified by the quantized kernels (several rows a step): greedy tokens
+    still follow the dequantized reference (up to near-ties: the verify step's products sum
+    in another order than one-row decodes), drafts were accepted, and every KV block is
+    back, the rolled-back ones included."""
+    shapes = K_SHAPES if qtype is Q.Q4_K else None
+    tiny = write_tiny_gguf(tmp_path / "spec.gguf", "llama", weight_type=qtype, seed=3,
+                           shapes=shapes)  # fmt: skip
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(tiny.path, device="cpu", dtype="float32", speculative_config=spec)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.statistics()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    _assert_free(llm)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    _assert_greedy_matches(got, _reference_model(tiny.path, tiny, True), PROMPTS)
