@@ -131,6 +131,8 @@ class QuantEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         rows = self.qweight.index_select(0, ids)  # [T, row bytes]: only the step's tokens
+        if _native_formats():  # the same values (one rounding to dtype), without torch's ops
+            return dequantize_cpu(rows, self.qtype, self.dtype)  # a Q6_K row: 0.2 ms in torch
         return dequantize(rows, self.qtype).to(self.dtype)
 
 
