@@ -5,6 +5,7 @@ The arithmetic is checked everywhere; two engines sharing one card only on a GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,14 +68,22 @@ def test_a_share_larger_than_the_free_memory_is_refused_naming_the_other_process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # Inside gpu_check.sh's limit for the gpu tests, so that a hang dumps its stacks there.
 @pytest.mark.timeout(120)
-def test_two_engines_with_0_4_each_run_on_one_card(tiny_llama: Path) -> None:
+def test_two_engines_with_0_4_each_run_on_one_card(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
     from asyncengine import LLM, SamplingParams
 
+    # KV blocks 32x the default tiny model's: with its 4 KB blocks (bf16), 0.4 of an H200 is 14
+    # million blocks, each a Python object of the scheduler's pool (seconds and GBs to make).
+    model = tiny_model_factory(
+        "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+        num_hidden_layers=8, intermediate_size=512,
+    )  # fmt: skip
     total = torch.cuda.mem_get_info()[1]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.4)
+    first = LLM(model, device="cuda", gpu_memory_utilization=0.4)
     try:
-        second = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.4)
+        second = LLM(model, device="cuda", gpu_memory_utilization=0.4)
         try:
             for llm in (first, second):
                 out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
