@@ -48,7 +48,7 @@
  *
  * Work: as quant_legacy.c: items of ROWS_PER_ITEM weight rows on linear.c's pool for up to
  * AE_POOL_MAX_ROWS rows of x, else on OpenMP; within an item, tiles of up to 4 rows of x by
- * C weight rows (4 for one row of x, 2 for more), each super-block unpacked once per tile and
+ * one weight row (tile_cols; the scalar path 4), each super-block unpacked once per tile and
  * used for all its rows of x. Only the tile shapes item_rows asks for are specialised (see
  * tile_rc): each copy costs build time, a lot of it under the sanitizers.
  */

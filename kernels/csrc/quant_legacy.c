@@ -35,9 +35,10 @@
  *
  * Work: items of ROWS_PER_ITEM weight rows (more where N is huge), on linear.c's pool for up
  * to AE_POOL_MAX_ROWS rows of x (a decode step: no thread waits for a preempted one), else on
- * OpenMP. Within an item, tiles of up to 4 rows of x by C weight rows: each weight block is
- * loaded (and unpacked) once per tile and used for all its rows of x, the tile's sums in
- * registers; the item's weights stay in L2 between its row tiles.
+ * OpenMP. Within an item, tiles of up to 4 rows of x by C weight rows (tile_cols: one, so
+ * that a weight row is one stream front to back; two for the nibble formats at 2-4 rows):
+ * each weight block is loaded (and unpacked) once per tile and used for all its rows of x,
+ * the tile's sums in registers; the item's weights stay in L2 between its row tiles.
  */
 
 #include <math.h>
