@@ -1,9 +1,10 @@
 """Build, cache and load the native CPU kernels (`csrc/*.c`), and bind them through ctypes.
 
 The C files (one per kernel family: attention, the cache write and rotary, norms, the MLP's
-activation, argmax, decode-sized bf16 linear layers; `csrc/ae_kernels.h` declares what each
-exports) are compiled into one library once per machine with the system C compiler (`$CC`,
-else `cc`) for the host CPU (`-march=native -fopenmp`): about a second, with no torch headers.
+activation, argmax, decode-sized bf16 linear layers, LoRA's shrink and expand;
+`csrc/ae_kernels.h` declares what each exports) are compiled into one library once per machine
+with the system C compiler (`$CC`, else `cc`) for the host CPU (`-march=native -fopenmp`):
+about a second, with no torch headers.
 The library is cached under `cache_dir()/native/`, named by a hash of every source and header
 (names and contents), the flags, the compiler binary and the CPU's feature flags, so a new
 source, compiler or CPU builds a new one and a cache shared between different machines never
@@ -170,9 +171,17 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _i64, _i64,  # cache blocks, block size
         _ptr, _ptr, _ptr, _ptr, _i64, _i64,  # q_start, q_lens, seq_lens, block_table, its
         # row stride, sequences (as ae_paged_attention)
-        _float, _float, _float, _int,  # eps, head-norm eps, attention scale, threads
+        _float, _float, _float,  # eps, head-norm eps, attention scale
+        _ptr, _ptr, _i64, _ptr,  # LoRA: rows, seg_rows, segments, per segment its table
+        _int,  # threads
     )),
     "ae_decode_layers_scratch": (_i64, (_i64, _i64, _i64, _i64, _i64, _i64)),
+    "ae_lora_add": (_int, (
+        _int, _ptr, _i64, _ptr, _i64, _i64,  # dtype code, x, its row stride, y, its, K
+        _i64, _ptr, _ptr,  # parts, their first columns in y, their widths (int64)
+        _ptr, _ptr, _i64,  # rows, seg_rows (int64), segments
+        _ptr, _i64, _int,  # per segment its descriptors' address (int64), offset, threads
+    )),
     "ae_linear_dense_simd": (_int, ()),
     "ae_linear_bf16_dense": (_int, (
         _ptr, _i64, _i64,  # x, its row stride, rows
@@ -229,6 +238,7 @@ class NativeKernels:
     lm_head_quantize: Callable[..., None]
     decode_layers_bf16: Callable[..., int]
     decode_layers_scratch: Callable[..., int]
+    lora_add: Callable[..., int]
     # which quant_legacy.c paths were built (bit p: path p; see quant_cpu.PATHS)
     quant_paths: int
     quant_set_path: Callable[[int], int]
@@ -341,6 +351,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         lm_head_quantize=_function(lib, "ae_lm_head_quantize"),
         decode_layers_bf16=_function(lib, "ae_decode_layers_bf16"),  # type: ignore[arg-type]
         decode_layers_scratch=_function(lib, "ae_decode_layers_scratch"),  # type: ignore[arg-type]
+        lora_add=_function(lib, "ae_lora_add"),  # type: ignore[arg-type]
         pool_test_delay_helpers=_function(lib, "ae_pool_test_delay_helpers"),  # type: ignore[arg-type]
         quant_paths=int(_function(lib, "ae_quant_paths")()),  # type: ignore[func-returns-value,call-overload]
         quant_set_path=_function(lib, "ae_quant_set_path"),  # type: ignore[arg-type]

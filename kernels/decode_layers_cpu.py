@@ -38,8 +38,11 @@ def decode_layers_bf16(
     eps: float,
     head_eps: float,
     scale: float,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, hidden]: the last layer's MLP output, not yet added to residual
-    """Run the L layers (see csrc/decode_layers.c) on `residual`."""
+    """Run the L layers (see csrc/decode_layers.c) on `residual`; with `lora`, the step's
+    LoRA segments (int64 rows [M], seg_rows [S + 1], and per segment the address of its
+    adapter's [L][4][12] descriptors: kernels/lora.py) get their adapters' deltas."""
     if plan.prefills:
         raise ValueError("decode_layers_bf16: a step with prefill chunks for SDPA")
     hidden, hq, hkv, d, inter = dims
@@ -56,7 +59,10 @@ def decode_layers_bf16(
         cache_shape[2], cache_shape[3],
         q_start.data_ptr(), plan.q_lens.data_ptr(), plan.seq_lens.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), q_start.numel(),
-        eps, head_eps, scale, torch.get_num_threads(),
+        eps, head_eps, scale,
+        *((0, 0, 0, 0) if lora is None else
+          (lora[0].data_ptr(), lora[1].data_ptr(), lora[2].numel(), lora[2].data_ptr())),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"decode_layers_bf16: no memory for a {num_tokens}-token step's scratch")

@@ -148,8 +148,8 @@ class CpuForward:
     ) -> torch.Tensor:  # [S, V] logits, or [S] int64 token ids
         """The logits of the rows `logits_indices` names; with `token_choice`, possibly their
         tokens instead (see model/interface.py): through the int8 screen of the lm_head, for
-        steps of a few rows. With `lora`, its adapters' rows get their low-rank adds (through
-        the Python layer loop: the native all-layers call has none)."""
+        steps of a few rows. With `lora`, its adapters' rows get their low-rank adds (in the
+        native all-layers call where it takes the step, else in the Python layer loop)."""
         if self._embed_rows is not None:
             residual = self._embed_rows(input_ids)  # [T, hidden]
         else:
@@ -163,8 +163,8 @@ class CpuForward:
             )
         native = self.native_layers
         mlp_out = None
-        if native is not None and lora is None:
-            mlp_out = native(residual, cos, sin, attn)
+        if native is not None:
+            mlp_out = native(residual, cos, sin, attn, lora)
         if mlp_out is None:
             down, x = self._layers_loop(residual, cos, sin, attn, lora)
             mlp_out = x if down is None else down(x)

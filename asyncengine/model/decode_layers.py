@@ -14,6 +14,10 @@ attention scale across its layers; and to a step with no prefill chunk long enou
 and fewer tokens than MAX_TOKENS and than the packed layers' `native_max_rows` allows (4 on
 CPUs with AMX, where oneDNN's tile kernels take more rows). `CpuForward` runs its Python loop
 otherwise.
+
+A step whose rows use LoRA adapters stays on this call: each adapter's `native_table`
+(model/lora_layers.py) goes in with its rows, and after each group of products the C code adds
+their low-rank deltas (kernels/csrc/lora.c), where the Python loop adds them with torch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from asyncengine.kernels.quant_formats import quant_format
 from asyncengine.model.attention import AttentionMetadata
 from asyncengine.model.cpu_linear import NativeDenseLinear, PackedLinear
 from asyncengine.model.lean_layer import LeanLayer
+from asyncengine.model.lora_layers import LoRABatch
 from asyncengine.model.quant_linear import QuantLinear
 
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
@@ -94,10 +99,12 @@ class NativeDecodeLayers:
         cos: torch.Tensor,  # [T, D]
         sin: torch.Tensor,
         attn: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor | None:
         """The last layer's MLP output [T, hidden] (not yet added to `residual`), after the
-        layers ran on `residual`; None, with nothing done, where this step is not one it
-        runs (the caller then runs its Python loop)."""
+        layers ran on `residual`, with `lora`'s adapters' deltas on their rows; None, with
+        nothing done, where this step is not one it runs (the caller then runs its Python
+        loop)."""
         num_tokens = residual.shape[0]
         plan, caches = attn.plan, attn.kv_caches
         if not isinstance(plan, CpuAttentionPlan) or plan.prefills:
@@ -110,12 +117,20 @@ class NativeDecodeLayers:
             c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches
         ):
             return None
+        segments = None
+        if lora is not None:
+            segments = lora.native_segments()
+            if segments is None or any(
+                w.native_table is None or w.native_table.shape[0] != len(caches)
+                for w, _ in lora.adapters
+            ):
+                return None
         self._table[:, _FIELD["kv_cache"]] = torch.tensor([c.data_ptr() for c in caches])
         return decode_layers_bf16(
             self._lib, self._table, self._dims, residual,
             cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous(),
             attn.slot_mapping.to(torch.int64).contiguous(), tuple(caches[0].shape), plan,
-            self._eps, self._head_eps, self._scale,
+            self._eps, self._head_eps, self._scale, segments,
         )  # fmt: skip
 
 

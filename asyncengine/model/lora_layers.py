@@ -1,11 +1,15 @@
 """LoRA on the lean CPU forward: an adapter's weights (`LoRAWeights`, loaded from a checked
 PEFT folder) and one step's mixed batch of adapters (`LoRABatch`).
 
-`CpuForward` runs a step whose rows use adapters through its Python layer loop (the fused
-native decode call, `decode_layers.py`, has no LoRA): each projection's base product runs
-once for every row, then `LoRABatch.add` adds each adapter's low-rank product to its rows
-(`kernels/lora.py`). Where q/k/v (or gate/up) come from one joint GEMM, the deltas go to the
-column views of each part. The down projection's long-prompt row chunks are not used here.
+Each projection's base product runs once for every row, then each adapter's low-rank product
+is added to its rows. `CpuForward`'s native decode call (`decode_layers.py`) does it in C
+(`kernels/csrc/lora.c`), reading each adapter's `native_table`: per layer and group of
+projections that read one input (q/k/v, o, gate/up, down), a descriptor of its stacked A and
+its transposed, scaled B matrices, built at load so that the kernel reads contiguous memory.
+Steps it does not take (prefills, fp32 models) run the Python loop, where `LoRABatch.add` adds
+them with the torch reference (`kernels/lora.py`); where q/k/v (or gate/up) come from one joint
+GEMM, the deltas go to the column views of each part. The down projection's long-prompt row
+chunks are not used there.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from asyncengine.kernels.lora import Rows, lora_expand_add, lora_shrink
+from asyncengine.kernels.lora import (
+    LORA_FIELDS,
+    LORA_GROUPS,
+    Rows,
+    lora_descriptor,
+    lora_expand_add,
+    lora_shrink,
+)
 from asyncengine.kernels.silu_mul_cpu import silu_mul_cpu
 from asyncengine.lora.peft_folder import PeftAdapter
 from asyncengine.model.lean_layer import LeanLayer
@@ -37,11 +48,14 @@ Group = tuple[torch.Tensor, list[tuple[str, int, int, torch.Tensor]]]
 @dataclass(slots=True)
 class LoRAWeights:
     """One adapter's tensors: (layer, module) -> (A [r, in], B [out, r] times the scale), and
-    the same stacked by input (`group`)."""
+    the same stacked by input (`group`). B is a transposed view of a contiguous B^T [r, out],
+    the layout the native kernel reads."""
 
     name: str
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     _groups: dict[tuple[int, str], Group | None] = field(default_factory=dict, repr=False)
+    # [layers, len(LORA_GROUPS), LORA_FIELDS] int64: csrc/lora.c's descriptors (build_native)
+    native_table: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, adapter: PeftAdapter, dtype: torch.dtype = torch.float32) -> LoRAWeights:
@@ -55,9 +69,26 @@ class LoRAWeights:
                 b = f.get_tensor(m.b_name).to(torch.float32) * m.scale
                 modules[(m.layer, m.module)] = (
                     a.to(dtype).contiguous(),
-                    b.to(dtype).contiguous(),
+                    b.to(dtype).t().contiguous().t(),
                 )
         return cls(adapter.name, modules)
+
+    def build_native(self, num_layers: int) -> torch.Tensor:
+        """`native_table` for a model of `num_layers` layers: every group stacked now (the
+        step then only reads addresses), zeros where the adapter adapts none of a group."""
+        table = torch.zeros(num_layers, len(LORA_GROUPS), LORA_FIELDS, dtype=torch.int64)
+        for layer in range(num_layers):
+            for g, group in enumerate(LORA_GROUPS):
+                found = self.group(layer, group)
+                if found is None:
+                    continue
+                a, parts = found
+                by_module = {module: (b.t(), lo) for module, lo, _, b in parts}
+                table[layer, g] = torch.tensor(
+                    lora_descriptor(a, [by_module.get(m) for m in GROUPS[group]])
+                )
+        self.native_table = table
+        return table
 
     def group(self, layer: int, group: str) -> Group | None:
         """The projections of `GROUPS[group]` this adapter adapts in `layer`, their A matrices
@@ -86,6 +117,28 @@ class LoRABatch:
     `Rows`: a slice where they are contiguous, else their indices)."""
 
     adapters: list[tuple[LoRAWeights, Rows]] = field(default_factory=list)
+    _native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
+
+    def native_segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The step's segments as csrc/decode_layers.c takes them: int64 rows [M] (adapter by
+        adapter), seg_rows [S + 1], and per adapter its `native_table`'s address; None where
+        an adapter has no table. The tensors (and the tables) live as long as this batch."""
+        if self._native is None:
+            if any(w.native_table is None for w, _ in self.adapters):
+                return None
+            parts = [
+                torch.arange(r.start, r.stop, dtype=torch.int64) if isinstance(r, slice) else r
+                for _, r in self.adapters
+            ]
+            counts = [0, *(len(p) for p in parts)]
+            self._native = (
+                torch.cat(parts),
+                torch.tensor(counts, dtype=torch.int64).cumsum(0),
+                torch.tensor([w.native_table.data_ptr() for w, _ in self.adapters]),  # type: ignore[union-attr]
+            )
+        return self._native
 
     def add(self, layer: int, group: str, x: torch.Tensor, outs: dict[str, torch.Tensor]) -> None:
         """Each adapter's deltas of the projections of `GROUPS[group]` in `layer`, added on its

@@ -74,6 +74,7 @@ class LoRAManager:
         if adapter is None:
             raise ValueError(f"unknown LoRA adapter {name!r}")
         weights = LoRAWeights.load(adapter)
+        weights.build_native(self.model_config.num_layers)  # the native decode call's layout
         self.num_loads += 1
         self.loaded[name] = weights
         while len(self.loaded) > self.max_loaded:

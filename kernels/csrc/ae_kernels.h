@@ -76,7 +76,9 @@ void ae_dense_panel_order(int32_t *order);
  * a joint gate/up weight leaves UP_W 0; biases and Qwen3's head norms may be 0). A weight's
  * *_KP field says which kernel reads it: 0, linear_dense.c's panels; > 0, linear.c's blocks,
  * with that padded input extent; < 0, GGUF blocks of ae_linear_quant's format -KP - 1 (its
- * bias bf16). */
+ * bias bf16). A step with LoRA rows passes their segments (lora.c's ae_lora_add's rows,
+ * seg_rows, and per segment its adapter's [num_layers][AE_LORA_GROUPS][AE_LORA_FIELDS]
+ * descriptors); lora_segs 0: none. */
 enum ae_layer_field {
     AE_LAYER_IN_NORM, AE_LAYER_POST_NORM, AE_LAYER_Q_W, AE_LAYER_K_W, AE_LAYER_V_W,
     AE_LAYER_Q_B, AE_LAYER_K_B, AE_LAYER_V_B, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_GATE_W,
@@ -92,9 +94,27 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                           int64_t block_size, const int64_t *q_start, const int32_t *q_lens,
                           const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
                           int64_t num_seqs, float eps, float head_eps, float scale,
-                          int num_threads);
+                          const int64_t *lora_rows, const int64_t *lora_seg_rows,
+                          int64_t lora_segs, const int64_t *lora_tables, int num_threads);
 int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t inter);
+
+/* lora.c: y += each segment's low-rank product x @ A^T @ B^T (Punica's shrink and expand) on
+ * the rows of `rows` (segment s: rows[seg_rows[s] .. seg_rows[s + 1]]), with segment s's
+ * weights described by the AE_LORA_FIELDS int64 at (const int64_t *)descs[s] + desc_offset;
+ * 0 on success, -1 when out of memory, -2 for a bad descriptor. A descriptor: A [R][K]
+ * (the group's parts' lora_A stacked; 0: nothing to add), R, the weights' dtype code (fp32 or
+ * bf16), then per part p < 3: B_p^T [r_p][width_p] times the scale (0: not adapted), the
+ * first of A's rows it reads, r_p. decode_layers.c's tables hold one per (layer, group). */
+enum ae_lora_field {
+    AE_LORA_A, AE_LORA_RANK, AE_LORA_WDT, AE_LORA_B0, AE_LORA_LO0, AE_LORA_R0, AE_LORA_B1,
+    AE_LORA_LO1, AE_LORA_R1, AE_LORA_B2, AE_LORA_LO2, AE_LORA_R2, AE_LORA_FIELDS
+};
+enum ae_lora_group { AE_LORA_QKV, AE_LORA_O, AE_LORA_GATE_UP, AE_LORA_DOWN, AE_LORA_GROUPS };
+int ae_lora_add(int dt, const void *x, int64_t x_st, void *y, int64_t y_st, int64_t K,
+                int64_t num_parts, const int64_t *part_cols, const int64_t *part_widths,
+                const int64_t *rows, const int64_t *seg_rows, int64_t num_segs,
+                const int64_t *descs, int64_t desc_offset, int num_threads);
 
 int ae_linear_bf16_fast(void);
 /* pool.c: wait (up to timeout_ms) until no pool helper is inside an item (1), else 0; before

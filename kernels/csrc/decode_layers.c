@@ -21,6 +21,12 @@
  * samples. Over linear.c's weights, a product and what follows it run as one of its fused
  * calls where the Python loop uses them (ae_linear_add_rms_norm_bf16, ae_linear_silu_bf16):
  * the same numbers as the two steps, in one thread team.
+ *
+ * LoRA: a step whose rows use adapters passes their segments (struct lora_step); after each
+ * group of products (q/k/v, o, gate/up, down) lora.c's ae_lora_add adds each segment's
+ * low-rank product to its rows, before the rotary, the residual add and norm or the
+ * activation (which then run as their own kernels, not fused into the product), as the
+ * Python loop adds them (model/lora_layers.py).
  */
 
 #include <stdint.h>
@@ -70,6 +76,23 @@ static int product_add_norm(const void *x, int64_t ldx, int64_t T, struct weight
     return 0;
 }
 
+/* A step's LoRA segments (ae_lora_add's rows, seg_rows and descs; tables[s] points at segment
+ * s's adapter's [layers][AE_LORA_GROUPS][AE_LORA_FIELDS] descriptors); segs 0: none. */
+struct lora_step {
+    const int64_t *rows, *seg_rows, *tables;
+    int64_t segs;
+};
+
+/* The deltas of layer l's group g, from its input x [T][K] into the parts' columns of y. */
+static int lora_add(const struct lora_step *lo, int64_t l, int g, const void *x, int64_t K,
+                    void *y, int64_t y_st, int64_t num_parts, const int64_t *cols,
+                    const int64_t *widths, int threads) {
+    if (lo->segs == 0) return 0;
+    return ae_lora_add(AE_BF16, x, K, y, y_st, K, num_parts, cols, widths, lo->rows,
+                       lo->seg_rows, lo->segs, lo->tables,
+                       (l * AE_LORA_GROUPS + g) * AE_LORA_FIELDS, threads);
+}
+
 /* Over linear.c's or quantized weights, steps of up to AE_POOL_MAX_ROWS tokens run their
  * products and attention on its work pool (pool.c), where no thread waits for one that is not
  * running, and the small kernels between them (the first norm, rotary with the cache write: a few
@@ -87,8 +110,13 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                           int64_t block_size, const int64_t *q_start, const int32_t *q_lens,
                           const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
                           int64_t num_seqs, float eps, float head_eps, float scale,
-                          int threads) {
+                          const int64_t *lora_rows, const int64_t *lora_seg_rows,
+                          int64_t lora_segs, const int64_t *lora_tables, int threads) {
     if (num_layers <= 0) return 0;
+    const struct lora_step lora = {lora_rows, lora_seg_rows, lora_tables, lora_segs};
+    const int64_t zero = 0, qkv_cols[3] = {0, hq * d, (hq + hkv) * d};
+    const int64_t qkv_widths[3] = {hq * d, hkv * d, hkv * d}, gu_cols[2] = {0, inter};
+    const int64_t gu_widths[2] = {inter, inter};
     uint16_t *residual = (uint16_t *)residual_, *mlp_out = (uint16_t *)mlp_out_;
     const int64_t qkv_w = (hq + 2 * hkv) * d, q_w = hq * d, kv_w = hkv * d;
     /* The scratch, in order: x [T, hidden], qkv [T, qkv_w], attn [T, q_w], o [T, hidden],
@@ -103,16 +131,25 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         const int64_t *p = layers + l * AE_LAYER_FIELDS;
         const void *in_norm = (const void *)p[AE_LAYER_IN_NORM];
         const int pooled = on_pool(p, T, threads);
+        const int small = pooled ? 1 : threads; /* the threads of the kernels between */
         if (l == 0) {
             ae_rms_norm(AE_BF16, residual, hidden, x, hidden, in_norm, T, hidden, eps,
-                        pooled ? 1 : threads);
+                        small);
         } else { /* the layer before's down projection, its residual add and this norm */
             const int64_t *before = p - AE_LAYER_FIELDS;
             struct weight down =
                 weight_at(before, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B, AE_LAYER_DOWN_KP);
-            if (product_add_norm(act, inter, T, down, hidden, inter, mlp_out, residual,
-                                 in_norm, eps, x, threads))
+            if (lora.segs) {
+                if (product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads) ||
+                    lora_add(&lora, l - 1, AE_LORA_DOWN, act, inter, mlp_out, hidden, 1, &zero,
+                             &hidden, small))
+                    return -1;
+                ae_add_rms_norm(AE_BF16, mlp_out, hidden, residual, hidden, x, hidden, in_norm,
+                                T, hidden, eps, small);
+            } else if (product_add_norm(act, inter, T, down, hidden, inter, mlp_out, residual,
+                                        in_norm, eps, x, threads)) {
                 return -1;
+            }
         }
         struct weight q = weight_at(p, AE_LAYER_Q_W, AE_LAYER_Q_B, AE_LAYER_Q_KP);
         if (p[AE_LAYER_K_W] == 0) { /* q, k and v side by side in one weight */
@@ -125,11 +162,14 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                 product(x, hidden, T, v, kv_w, hidden, qkv + q_w + kv_w, qkv_w, threads))
                 return -1;
         }
+        if (lora_add(&lora, l, AE_LORA_QKV, x, hidden, qkv, qkv_w, 3, qkv_cols, qkv_widths,
+                     small))
+            return -1;
         void *cache = (void *)p[AE_LAYER_KV_CACHE];
         ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
                   (const void *)p[AE_LAYER_Q_NORM], (const void *)p[AE_LAYER_K_NORM], head_eps,
                   qkv + q_w + kv_w, qkv_w, d, cache, num_blocks, block_size, slot_mapping,
-                  pooled ? 1 : threads);
+                  small);
         if (pooled) {
             if (ae_paged_attention_pool(qkv, qkv_w, hq, attn, q_w, cache, hkv, num_blocks,
                                         block_size, d, q_start, q_lens, seq_lens, block_table,
@@ -141,12 +181,20 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                                bt_stride, num_seqs, scale, threads);
         }
         struct weight wo = weight_at(p, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_O_KP);
-        if (product_add_norm(attn, q_w, T, wo, hidden, q_w, o, residual,
-                             (const void *)p[AE_LAYER_POST_NORM], eps, x, threads))
+        const void *post_norm = (const void *)p[AE_LAYER_POST_NORM];
+        if (lora.segs) {
+            if (product(attn, q_w, T, wo, hidden, q_w, o, hidden, threads) ||
+                lora_add(&lora, l, AE_LORA_O, attn, q_w, o, hidden, 1, &zero, &hidden, small))
+                return -1;
+            ae_add_rms_norm(AE_BF16, o, hidden, residual, hidden, x, hidden, post_norm, T,
+                            hidden, eps, small);
+        } else if (product_add_norm(attn, q_w, T, wo, hidden, q_w, o, residual, post_norm, eps,
+                                    x, threads)) {
             return -1;
+        }
         struct weight gate = weight_at(p, AE_LAYER_GATE_W, AE_LAYER_GATE_B, AE_LAYER_GATE_KP);
         if (p[AE_LAYER_UP_W] == 0) { /* gate and up side by side in one weight */
-            if (gate.kp > 0 && inter % 64 == 0) { /* linear.c's fused silu: whole blocks */
+            if (gate.kp > 0 && inter % 64 == 0 && !lora.segs) { /* linear.c's fused silu */
                 ae_linear_silu_bf16(x, hidden, T, gate.w, 2 * inter, hidden, gate.kp, gate.b,
                                     act, inter, threads);
                 continue;
@@ -159,13 +207,18 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                 product(x, hidden, T, up, inter, hidden, gate_up + inter, 2 * inter, threads))
                 return -1;
         }
+        if (lora_add(&lora, l, AE_LORA_GATE_UP, x, hidden, gate_up, 2 * inter, 2, gu_cols,
+                     gu_widths, small))
+            return -1;
         ae_silu_mul(AE_BF16, gate_up, 2 * inter, gate_up + inter, 2 * inter, act, inter, T,
                     inter, threads);
     }
     /* The last layer's down projection, for the caller. */
     const int64_t *last = layers + (num_layers - 1) * AE_LAYER_FIELDS;
     struct weight down = weight_at(last, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B, AE_LAYER_DOWN_KP);
-    return product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads);
+    if (product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads)) return -1;
+    return lora_add(&lora, num_layers - 1, AE_LORA_DOWN, act, inter, mlp_out, hidden, 1, &zero,
+                    &hidden, on_pool(last, T, threads) ? 1 : threads);
 }
 
 int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
