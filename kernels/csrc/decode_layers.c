@@ -26,7 +26,8 @@
  * group of products (q/k/v, o, gate/up, down) lora.c's ae_lora_add adds each segment's
  * low-rank product to its rows, before the rotary, the residual add and norm or the
  * activation (which then run as their own kernels, not fused into the product), as the
- * Python loop adds them (model/lora_layers.py).
+ * Python loop adds them (model/lora_layers.py). ae_lora_add runs decode-sized calls on the pool
+ * itself, as linear.c's products do.
  */
 
 #include <stdint.h>
@@ -142,7 +143,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
             if (lora.segs) {
                 if (product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads) ||
                     lora_add(&lora, l - 1, AE_LORA_DOWN, act, inter, mlp_out, hidden, 1, &zero,
-                             &hidden, small))
+                             &hidden, threads))
                     return -1;
                 ae_add_rms_norm(AE_BF16, mlp_out, hidden, residual, hidden, x, hidden, in_norm,
                                 T, hidden, eps, small);
@@ -163,7 +164,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                 return -1;
         }
         if (lora_add(&lora, l, AE_LORA_QKV, x, hidden, qkv, qkv_w, 3, qkv_cols, qkv_widths,
-                     small))
+                     threads))
             return -1;
         void *cache = (void *)p[AE_LAYER_KV_CACHE];
         ae_rotary(AE_BF16, qkv, qkv_w, d, hq, qkv + q_w, qkv_w, d, hkv, cos, sin, cs_st, T, d,
@@ -184,7 +185,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
         const void *post_norm = (const void *)p[AE_LAYER_POST_NORM];
         if (lora.segs) {
             if (product(attn, q_w, T, wo, hidden, q_w, o, hidden, threads) ||
-                lora_add(&lora, l, AE_LORA_O, attn, q_w, o, hidden, 1, &zero, &hidden, small))
+                lora_add(&lora, l, AE_LORA_O, attn, q_w, o, hidden, 1, &zero, &hidden, threads))
                 return -1;
             ae_add_rms_norm(AE_BF16, o, hidden, residual, hidden, x, hidden, post_norm, T,
                             hidden, eps, small);
@@ -208,7 +209,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                 return -1;
         }
         if (lora_add(&lora, l, AE_LORA_GATE_UP, x, hidden, gate_up, 2 * inter, 2, gu_cols,
-                     gu_widths, small))
+                     gu_widths, threads))
             return -1;
         ae_silu_mul(AE_BF16, gate_up, 2 * inter, gate_up + inter, 2 * inter, act, inter, T,
                     inter, threads);
@@ -218,7 +219,7 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
     struct weight down = weight_at(last, AE_LAYER_DOWN_W, AE_LAYER_DOWN_B, AE_LAYER_DOWN_KP);
     if (product(act, inter, T, down, hidden, inter, mlp_out, hidden, threads)) return -1;
     return lora_add(&lora, num_layers - 1, AE_LORA_DOWN, act, inter, mlp_out, hidden, 1, &zero,
-                    &hidden, on_pool(last, T, threads) ? 1 : threads);
+                    &hidden, threads);
 }
 
 int64_t ae_decode_layers_scratch(int64_t T, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,

@@ -91,8 +91,8 @@ def _case(
     assert torch.equal(got[untouched], out[untouched])
     if dtype == torch.float32:
         torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
-    else:  # another summation order: the delta's rounding may differ in its last bit
-        ulp = reference.float().abs() * 2.0**-7 + 1e-6
+    else:  # another summation order: the rounded delta (then the sum) may differ in a last bit
+        ulp = (reference.float().abs() + out.float().abs()) * 2.0**-7 + 1e-6
         assert torch.all((got.float() - reference.float()).abs() <= 2 * ulp)
 
 
@@ -108,6 +108,35 @@ def test_segments_match_the_reference(dtype: torch.dtype, wdtype: torch.dtype, r
     _case(lib, dtype, wdtype, (rank,), 1, 576, (576,), seed=rank + 1)
     # many rows per adapter, wide parts (gate/up-like)
     _case(lib, dtype, wdtype, (rank, rank), 64, 96, (200, 200), seed=rank + 2)
+    # a decode-sized call (on the work pool, csrc/pool.c, with threads to share it)
+    _case(lib, dtype, wdtype, (rank, rank // 2, rank), 7, 1000, (67, 21, 21), seed=rank + 3)
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_every_thread_count_gives_the_same_numbers(tokens: int) -> None:
+    """One thread, or a team (the work pool for up to 8 rows, OpenMP above): the same sums in
+    the same order, so the same bits."""
+    lib = load_native()
+    assert lib is not None
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, max(2, threads)):
+        torch.set_num_threads(n)
+        try:
+            g = torch.Generator().manual_seed(tokens)
+            out = torch.randn(tokens, 300, generator=g).to(torch.bfloat16)
+            x = torch.randn(tokens, 1000, generator=g).to(torch.bfloat16)
+            a = torch.randn(20, 1000, generator=g) * 0.3  # parts of rank 12 and 8
+            bts = [torch.randn(12, 200, generator=g), torch.randn(8, 100, generator=g)]
+            desc = torch.tensor(lora_descriptor(a, [(bts[0], 0), (bts[1], 12)]))
+            lora_add_native(
+                lib, out, x, [(0, 200), (200, 100)], torch.arange(tokens),
+                torch.tensor([0, tokens]), torch.tensor([desc.data_ptr()]),
+            )  # fmt: skip
+            results.append(out)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
 
 
 def test_no_segments_and_unadapted_groups_add_nothing() -> None:
