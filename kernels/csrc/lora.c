@@ -53,32 +53,45 @@ static ALWAYS_INLINE float load1_w(const void *w, int64_t i, int wdt) {
     return wdt == AE_F32 ? ((const float *)w)[i] : bf16_to_f32(((const uint16_t *)w)[i]);
 }
 
+/* The sum of v's lanes (one order per build: every path of a build sums alike). */
 static ALWAYS_INLINE float hsum16(v16f v) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
     float s = 0.0f;
     for (int i = 0; i < LANES; i++) s += v[i];
     return s;
+#endif
 }
 
 /* sh[m * ld + r - rb] = xf[m] . A[r] for the segment's n rows (xf dense [n][K]) and rows
- * r0 .. r1 of A; four rows of A at a time share each load of x. */
-static void shrink(const float *xf, int64_t n, int64_t K, const void *a, int wdt, int64_t r0,
-                   int64_t r1, float *sh, int64_t ld, int64_t rb) {
+ * r0 .. r1 of A; four rows of A at a time share each load of x. For several rows, bf16 rows
+ * of A are widened once into aw [4][K] (the same values: the same sums). */
+static void shrink(const float *xf, int64_t n, int64_t K, const void *a_, int wdt_, int64_t r0,
+                   int64_t r1, float *sh, int64_t ld, int64_t rb, float *aw) {
     const int64_t kv = K - K % LANES;
     int64_t r = r0;
     for (; r + 4 <= r1; r += 4) {
+        const void *a = a_;
+        int wdt = wdt_;
+        int64_t base = 0; /* A's row r + i is row r + base + i of `a` */
+        if (wdt != AE_F32 && n > 1) {
+            load_f32((const char *)a_ + r * K * elem_size(wdt), aw, 4 * K, wdt);
+            a = aw, wdt = AE_F32, base = -r;
+        }
         for (int64_t m = 0; m < n; m++) {
             const float *x = xf + m * K;
             v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t k = 0; k < kv; k += LANES) {
                 const v16f xv = load16(x + k);
-                a0 += xv * load16_w(a, r * K + k, wdt);
-                a1 += xv * load16_w(a, (r + 1) * K + k, wdt);
-                a2 += xv * load16_w(a, (r + 2) * K + k, wdt);
-                a3 += xv * load16_w(a, (r + 3) * K + k, wdt);
+                a0 += xv * load16_w(a, (r + base) * K + k, wdt);
+                a1 += xv * load16_w(a, (r + base + 1) * K + k, wdt);
+                a2 += xv * load16_w(a, (r + base + 2) * K + k, wdt);
+                a3 += xv * load16_w(a, (r + base + 3) * K + k, wdt);
             }
             float s[4] = {hsum16(a0), hsum16(a1), hsum16(a2), hsum16(a3)};
             for (int64_t i = 0; i < 4; i++) {
-                for (int64_t k = kv; k < K; k++) s[i] += x[k] * load1_w(a, (r + i) * K + k, wdt);
+                for (int64_t k = kv; k < K; k++) s[i] += x[k] * load1_w(a, (r + base + i) * K + k, wdt);
                 sh[m * ld + r + i - rb] = s[i];
             }
         }
@@ -87,9 +100,10 @@ static void shrink(const float *xf, int64_t n, int64_t K, const void *a, int wdt
         for (int64_t m = 0; m < n; m++) {
             const float *x = xf + m * K;
             v16f acc = {0};
-            for (int64_t k = 0; k < kv; k += LANES) acc += load16(x + k) * load16_w(a, r * K + k, wdt);
+            for (int64_t k = 0; k < kv; k += LANES)
+                acc += load16(x + k) * load16_w(a_, r * K + k, wdt_);
             float s = hsum16(acc);
-            for (int64_t k = kv; k < K; k++) s += x[k] * load1_w(a, r * K + k, wdt);
+            for (int64_t k = kv; k < K; k++) s += x[k] * load1_w(a_, r * K + k, wdt_);
             sh[m * ld + r - rb] = s;
         }
     }
@@ -116,7 +130,12 @@ static ALWAYS_INLINE int64_t block_end(int64_t lo, int64_t r, int64_t rank) {
  * eight accumulators, each load of B serving both. */
 static void expand_sums(const float *sh, int64_t ld, int64_t n, const void *b, int wdt,
                         int64_t lo, int64_t rank, int64_t N, int64_t c0, int64_t nc,
-                        float *sums) {
+                        float *sums, float *bw) {
+    if (wdt != AE_F32 && n > 2) { /* bf16 B read by many rows: widened once into bw [rank][COLS] */
+        for (int64_t r = 0; r < rank; r++)
+            load_f32((const char *)b + (r * N + c0) * elem_size(wdt), bw + r * COLS, nc, wdt);
+        b = bw, wdt = AE_F32, N = COLS, c0 = 0;
+    }
     int64_t m = 0;
     if (nc == COLS) {
         for (; m + 2 <= n; m += 2) {
@@ -164,19 +183,15 @@ static void expand_sums(const float *sh, int64_t ld, int64_t n, const void *b, i
 }
 
 /* A segment's shrink by A's rows r0 .. r0 + SHRINK_ROWS (of its descriptor d), from its n
- * rows of x (dense [n][K], dtype dt; each widened into xf [K]) into sh_out [n][ld] (columns
- * r - r0). Returns how many of A's rows it took (0: none are left). */
+ * rows of x (dense [n][K], dtype dt; widened into xf [n][K]) into sh_out [n][ld] (columns
+ * r - r0; aw: shrink's). Returns how many of A's rows it took (0: none are left). */
 static int64_t shrink_item(const char *x, int64_t n, int64_t K, int dt, const int64_t *d,
-                           int64_t r0, float *xf, float *sh_out, int64_t ld) {
+                           int64_t r0, float *xf, float *sh_out, int64_t ld, float *aw) {
     const int64_t rank = d[AE_LORA_A] ? d[AE_LORA_RANK] : 0;
     const int64_t r1 = r0 + SHRINK_ROWS < rank ? r0 + SHRINK_ROWS : rank;
     if (r0 >= r1) return 0;
-    const int64_t es = elem_size(dt);
-    for (int64_t m = 0; m < n; m++) {
-        load_f32(x + m * K * es, xf, K, dt);
-        shrink(xf, 1, K, (const void *)d[AE_LORA_A], (int)d[AE_LORA_WDT], r0, r1,
-               sh_out + m * ld, ld, r0);
-    }
+    load_f32(x, xf, n * K, dt);
+    shrink(xf, n, K, (const void *)d[AE_LORA_A], (int)d[AE_LORA_WDT], r0, r1, sh_out, ld, r0, aw);
     return r1 - r0;
 }
 
@@ -209,9 +224,10 @@ static void shrink_pool_item(const void *ctx, int64_t item, const struct ae_comm
     const struct shrink_job *j = ctx;
     const int64_t s = item / j->per_seg, r0 = item % j->per_seg * SHRINK_ROWS;
     const int64_t n = j->segs.count[s], first = j->segs.first[s];
-    float *xf = ae_thread_scratch((size_t)(j->K + n * SHRINK_ROWS)), *out = xf + j->K;
+    float *xf = ae_thread_scratch((size_t)((n + 4) * j->K + n * SHRINK_ROWS));
+    float *aw = xf + n * j->K, *out = aw + 4 * j->K;
     const int64_t done = shrink_item(j->x + first * j->K * elem_size((int)j->dt), n, j->K,
-                                     (int)j->dt, j->segs.desc[s], r0, xf, out, SHRINK_ROWS);
+                                     (int)j->dt, j->segs.desc[s], r0, xf, out, SHRINK_ROWS, aw);
     if (!ae_commit_begin(commit)) return; /* another thread committed this item */
     for (int64_t m = 0; m < n && done; m++)
         memcpy(j->sh + (first + m) * j->ld + r0, out + m * SHRINK_ROWS,
@@ -240,10 +256,10 @@ static void expand_pool_item(const void *ctx, int64_t item, const struct ae_comm
     const int64_t n = j->segs.count[s], first = j->segs.first[s], width = j->widths[p];
     const int64_t nc = width - c0 < COLS ? width - c0 : COLS;
     const int run = d[AE_LORA_A] != 0 && part[0] != 0;
-    float *sums = ae_thread_scratch((size_t)(n * COLS));
+    float *sums = ae_thread_scratch((size_t)((n + (run ? part[2] : 0)) * COLS));
     if (run)
         expand_sums(j->sh + first * j->ld, j->ld, n, (const void *)part[0], (int)d[AE_LORA_WDT],
-                    part[1], part[2], width, c0, nc, sums);
+                    part[1], part[2], width, c0, nc, sums, sums + n * COLS);
     if (!ae_commit_begin(commit)) return;
     const int64_t es = elem_size((int)j->dt);
     for (int64_t m = 0; m < n && run; m++)
@@ -366,7 +382,8 @@ int ae_lora_add(int dt, const void *x, int64_t x_st, void *y, int64_t y_st, int6
             const int64_t rank = d[AE_LORA_RANK], first = seg_rows[s];
             const int64_t r1 = r0 + SHRINK_ROWS < rank ? r0 + SHRINK_ROWS : rank;
             shrink(xf + first * K, seg_rows[s + 1] - first, K, (const void *)d[AE_LORA_A],
-                   (int)d[AE_LORA_WDT], r0, r1, sh + first * max_rank, max_rank, 0);
+                   (int)d[AE_LORA_WDT], r0, r1, sh + first * max_rank, max_rank, 0,
+                   ae_thread_scratch((size_t)(4 * K)));
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < expand_items; it++) {
@@ -376,9 +393,10 @@ int ae_lora_add(int dt, const void *x, int64_t x_st, void *y, int64_t y_st, int6
             const int64_t *part = d + AE_LORA_B0 + 3 * p, first = seg_rows[s];
             const int64_t width = part_widths[p];
             const int64_t n = seg_rows[s + 1] - first, nc = width - c0 < COLS ? width - c0 : COLS;
-            float *sums = ae_thread_scratch((size_t)(n * COLS));
+            float *sums = ae_thread_scratch((size_t)((n + part[2]) * COLS));
             expand_sums(sh + first * max_rank, max_rank, n, (const void *)part[0],
-                        (int)d[AE_LORA_WDT], part[1], part[2], width, c0, nc, sums);
+                        (int)d[AE_LORA_WDT], part[1], part[2], width, c0, nc, sums,
+                        sums + n * COLS);
             for (int64_t m = 0; m < n; m++)
                 add_delta(sums + m * COLS, nc, dt,
                           (char *)y + (rows[first + m] * y_st + part_cols[p] + c0) * es);

@@ -1,6 +1,7 @@
 """LoRA in the native decode call (model/decode_layers.py with csrc/lora.c): a bf16 step whose
-rows use adapters stays on the one native call, and its tokens are the Python loop's (which
-adds the deltas with the torch reference), for a batch mixing adapters and the base model."""
+rows use adapters stays on the one native call, and its tokens are the Python loop's, for a
+batch mixing adapters and the base model: to the bit where the loop adds the deltas with the
+same kernel, up to near ties where it adds them with the torch reference."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from asyncengine import LLM, LoRARequest, SamplingParams
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.linear_dense_cpu import dense_kernels
-from asyncengine.model import cpu_linear, decode_layers
+from asyncengine.model import cpu_linear, decode_layers, lora_layers
 from asyncengine.testing.lora import build_peft_adapter
 
 pytestmark = [
@@ -97,7 +98,9 @@ def test_native_lora_steps_give_the_python_loops_tokens(
     native = _run(model, adapters, names)
     assert steps["lora"] > 10 and steps["declined"] == 0
     monkeypatch.setattr(decode_layers.NativeDecodeLayers, "build", lambda *a: None)
-    loop = _run(model, adapters, names)
+    assert _run(model, adapters, names) == native  # the loop, the kernel in it
+    monkeypatch.setattr(lora_layers, "NATIVE_IN_LOOP", False)
+    loop = _run(model, adapters, names)  # the loop, the torch reference in it
     # The deltas' fp32 sums run in another order than torch's, so a bf16 delta may differ in
     # its last bit: the tokens are the same up to a step where the loop's top two were close.
     for (tokens, _), (want, margins) in zip(native, loop, strict=True):
