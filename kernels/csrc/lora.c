@@ -111,11 +111,20 @@ static void shrink(const float *xf, int64_t n, int64_t K, const void *a_, int wd
 
 /* The delta of one row's nc (<= COLS) columns, rounded to y's dtype and added to them. */
 static ALWAYS_INLINE void add_delta(float *restrict delta, int64_t nc, int dt, char *yp) {
+    int64_t c = 0;
+    if (dt == AE_BF16) { /* 16 lanes at a time: the same roundings as f32_to_bf16's */
+        uint16_t *y = (uint16_t *)yp;
+        for (; c + LANES <= nc; c += LANES) {
+            const v16f d = round16_bf16(load16(delta + c)); /* the reference's .to(out.dtype) */
+            store16_bf16(y + c, load16_as_f32((const char *)(y + c), AE_BF16) + d);
+        }
+    }
     float out[COLS];
-    round_row(delta, nc, dt); /* the delta in y's dtype, as the reference's .to(out.dtype) */
-    load_f32(yp, out, nc, dt);
-    for (int64_t c = 0; c < nc; c++) out[c] += delta[c];
-    store_f32(yp, out, nc, dt);
+    const int64_t es = elem_size(dt), rest = nc - c;
+    round_row(delta + c, rest, dt); /* the delta in y's dtype, as the reference's .to() */
+    load_f32(yp + c * es, out, rest, dt);
+    for (int64_t i = 0; i < rest; i++) out[i] += delta[c + i];
+    store_f32(yp + c * es, out, rest, dt);
 }
 
 /* Where the sum over A's rows that starts at part row r breaks: every SHRINK_ROWS rows of A
@@ -131,7 +140,7 @@ static ALWAYS_INLINE int64_t block_end(int64_t lo, int64_t r, int64_t rank) {
 static void expand_sums(const float *sh, int64_t ld, int64_t n, const void *b, int wdt,
                         int64_t lo, int64_t rank, int64_t N, int64_t c0, int64_t nc,
                         float *sums, float *bw) {
-    if (wdt != AE_F32 && n > 2) { /* bf16 B read by many rows: widened once into bw [rank][COLS] */
+    if (wdt != AE_F32 && n > 2 && bw) { /* bf16 B read by many rows: widened once, into bw */
         for (int64_t r = 0; r < rank; r++)
             load_f32((const char *)b + (r * N + c0) * elem_size(wdt), bw + r * COLS, nc, wdt);
         b = bw, wdt = AE_F32, N = COLS, c0 = 0;
@@ -196,15 +205,15 @@ static int64_t shrink_item(const char *x, int64_t n, int64_t K, int dt, const in
 }
 
 /*
- * On the work pool (pool.c), whose caller never waits for a preempted thread: a call runs as
- * two jobs, the shrink in items of (segment, SHRINK_ROWS rows of A) into the
- * pool's buffer, then the expand in items of (segment, part, COLS columns), each adding its
- * rows' deltas to y. Every item computes into the thread's own memory and stores only once
+ * In items (on the work pool, pool.c, whose caller never waits for a preempted thread, or in
+ * an OpenMP region): the shrink in items of (segment, SHRINK_ROWS rows of A) into a buffer,
+ * then the expand in items of (segment, part, WIDE columns), each adding its rows' deltas to
+ * y. Every item computes into the thread's own memory and stores only once
  * its commit is won (pool.h). Everything an item reads stays mapped after the job (pool.c's
  * contract): x's rows are copied into the pool's buffer, the segments and their descriptors'
  * addresses are in the job's context (copied with it), y and the row indices are read only
  * after a won commit (the job is still on), and the weights and descriptors are the adapter's,
- * which model/lora_layers.py frees only after ae_pool_quiesce.
+ * which worker/lora_manager.py frees only after ae_pool_quiesce.
  */
 #define POOL_SEGS 6 /* the most segments a job's context holds */
 
@@ -246,58 +255,205 @@ struct expand_job {
     struct segs segs;
 };
 
+/* An expand item's columns: WIDE of a part (its B rows then read front to back in long runs,
+ * which the prefetchers follow, where COLS-column items read 128 bytes a row). */
+#define WIDE (8 * COLS)
+
 static void expand_pool_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
     const struct expand_job *j = ctx;
     const int64_t s = item / j->per_seg;
-    int64_t p = 0, c0 = item % j->per_seg * COLS; /* which part's which columns */
-    while (p + 1 < j->num_parts && c0 >= (j->widths[p] + COLS - 1) / COLS * COLS)
-        c0 -= (j->widths[p++] + COLS - 1) / COLS * COLS;
+    int64_t p = 0, c0 = item % j->per_seg * WIDE; /* which part's which columns */
+    while (p + 1 < j->num_parts && c0 >= (j->widths[p] + WIDE - 1) / WIDE * WIDE)
+        c0 -= (j->widths[p++] + WIDE - 1) / WIDE * WIDE;
     const int64_t *d = j->segs.desc[s], *part = d + AE_LORA_B0 + 3 * p;
     const int64_t n = j->segs.count[s], first = j->segs.first[s], width = j->widths[p];
-    const int64_t nc = width - c0 < COLS ? width - c0 : COLS;
+    const int64_t nw = width - c0 < WIDE ? width - c0 : WIDE, rank = part[2];
     const int run = d[AE_LORA_A] != 0 && part[0] != 0;
-    float *sums = ae_thread_scratch((size_t)((n + (run ? part[2] : 0)) * COLS));
-    if (run)
-        expand_sums(j->sh + first * j->ld, j->ld, n, (const void *)part[0], (int)d[AE_LORA_WDT],
-                    part[1], part[2], width, c0, nc, sums, sums + n * COLS);
+    float *sums = ae_thread_scratch((size_t)(n * WIDE + (run ? rank * WIDE : 0)));
+    if (run) {
+        const void *b = (const void *)part[0];
+        int wdt = (int)d[AE_LORA_WDT];
+        int64_t N = width, off = c0;
+        if (wdt != AE_F32 && n > 2) { /* bf16 B read by many rows: widened once, row by row */
+            float *bw = sums + n * WIDE;
+            for (int64_t r = 0; r < rank; r++)
+                load_f32((const char *)b + (r * width + c0) * elem_size(wdt), bw + r * nw, nw,
+                         wdt);
+            b = bw, wdt = AE_F32, N = nw, off = 0;
+        }
+        for (int64_t cc = 0; cc < nw; cc += COLS)
+            expand_sums(j->sh + first * j->ld, j->ld, n, b, wdt, part[1], rank, N, off + cc,
+                        nw - cc < COLS ? nw - cc : COLS, sums + cc * n, NULL);
+    }
     if (!ae_commit_begin(commit)) return;
     const int64_t es = elem_size((int)j->dt);
-    for (int64_t m = 0; m < n && run; m++)
-        add_delta(sums + m * COLS, nc, (int)j->dt,
-                  j->y + (j->rows[first + m] * j->y_st + j->cols[p] + c0) * es);
+    for (int64_t cc = 0; cc < nw && run; cc += COLS)
+        for (int64_t m = 0; m < n; m++)
+            add_delta(sums + cc * n + m * COLS, nw - cc < COLS ? nw - cc : COLS, (int)j->dt,
+                      j->y + (j->rows[first + m] * j->y_st + j->cols[p] + c0 + cc) * es);
     ae_commit_end(commit);
 }
 
 _Static_assert(sizeof(struct expand_job) <= 256, "pool.h: a job's context is at most 256 bytes");
 
-/* ae_lora_add on the pool, which the caller holds. -1 when out of memory. */
-static int lora_add_pool(int dt, const void *x, int64_t x_st, void *y, int64_t y_st, int64_t K,
-                         int64_t num_parts, const int64_t *part_cols,
-                         const int64_t *part_widths, const int64_t *rows,
-                         const int64_t *seg_rows, int64_t num_segs, const int64_t *descs,
-                         int64_t desc_offset, int64_t max_rank, int num_threads) {
+/* Calls of up to AE_POOL_MAX_ROWS rows (decode steps) run as one job instead, which saves a
+ * job's start and end per call (three calls a layer at one stream): an item per (segment,
+ * SHRINK_ROWS rows of A) does its shrink and that block's share of each part's expand, into a
+ * buffer of partial sums, which the caller then adds block by block, in order (the same sums
+ * as the two jobs', in the same order), rounds and adds to y. */
+struct fused_job {
+    const char *x;   /* as shrink_job's */
+    float *partials; /* item (s, b): [count[s]][ntot] at (per_seg * first[s] + b * count[s]) * ntot */
+    int64_t K, dt, per_seg, ntot, num_parts;
+    int64_t cols[3], widths[3]; /* the parts' columns in a row of partials (and of y) */
+    struct segs segs;
+};
+
+_Static_assert(sizeof(struct fused_job) <= 256, "pool.h: a job's context is at most 256 bytes");
+
+/* Whether a part (B, lo, r) reads any of A's rows r0 .. r1. */
+static ALWAYS_INLINE int part_meets(const int64_t *part, int64_t r0, int64_t r1) {
+    return part[0] != 0 && part[1] < r1 && part[1] + part[2] > r0;
+}
+
+static void fused_pool_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
+    const struct fused_job *j = ctx;
+    const int64_t s = item / j->per_seg, b = item % j->per_seg, r0 = b * SHRINK_ROWS;
+    const int64_t n = j->segs.count[s], first = j->segs.first[s], K = j->K, *d = j->segs.desc[s];
+    float *xf = ae_thread_scratch((size_t)((n + 4) * K + n * SHRINK_ROWS + n * j->ntot));
+    float *aw = xf + n * K, *sh = aw + 4 * K, *out = sh + n * SHRINK_ROWS;
+    const int64_t done = shrink_item(j->x + first * K * elem_size((int)j->dt), n, K, (int)j->dt,
+                                     d, r0, xf, sh, SHRINK_ROWS, aw);
+    const int wdt = (int)d[AE_LORA_WDT];
+    for (int64_t p = 0; p < j->num_parts && done; p++) {
+        const int64_t *part = d + AE_LORA_B0 + 3 * p;
+        if (!part_meets(part, r0, r0 + done)) continue;
+        const int64_t lo = part[1], width = j->widths[p], full = width - width % LANES;
+        const int64_t q0 = r0 > lo ? r0 : lo; /* A's rows of both: q0 .. q1 */
+        const int64_t q1 = r0 + done < lo + part[2] ? r0 + done : lo + part[2];
+        const void *bt = (const void *)part[0];
+        /* Row by row of B, front to back (the prefetchers follow), into every row's sums:
+         * each column's sum in order of r, as the other paths'. */
+        for (int64_t m = 0; m < n; m++) memset(out + m * j->ntot + j->cols[p], 0, (size_t)width * 4);
+        for (int64_t r = q0; r < q1; r++) {
+            const int64_t at = (r - lo) * width;
+            for (int64_t m = 0; m < n; m++) {
+                const float u = sh[m * SHRINK_ROWS + r - r0];
+                float *o = out + m * j->ntot + j->cols[p];
+                for (int64_t c = 0; c < full; c += LANES) {
+                    v16f acc = load16(o + c);
+                    acc += u * load16_w(bt, at + c, wdt);
+                    memcpy(o + c, &acc, sizeof acc);
+                }
+                for (int64_t c = full; c < width; c++) o[c] += u * load1_w(bt, at + c, wdt);
+            }
+        }
+    }
+    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
+    float *dst = j->partials + (j->per_seg * first + b * n) * j->ntot;
+    for (int64_t p = 0; p < j->num_parts && done; p++) {
+        if (!part_meets(d + AE_LORA_B0 + 3 * p, r0, r0 + done)) continue;
+        for (int64_t m = 0; m < n; m++)
+            memcpy(dst + m * j->ntot + j->cols[p], out + m * j->ntot + j->cols[p],
+                   (size_t)j->widths[p] * sizeof(float));
+    }
+    ae_commit_end(commit);
+}
+
+/* The one-job path's sums: each part's partials added block by block, in order, then rounded
+ * and added to y (the parts' columns there at y_cols). */
+static void add_partials(const struct fused_job *j, int64_t num_segs, const int64_t *y_cols,
+                         const int64_t *rows, char *y, int64_t y_st) {
+    const int64_t es = elem_size((int)j->dt);
+    float delta[COLS];
+    for (int64_t s = 0; s < num_segs; s++) {
+        const int64_t *d = j->segs.desc[s], n = j->segs.count[s], first = j->segs.first[s];
+        if (d[AE_LORA_A] == 0) continue;
+        for (int64_t p = 0; p < j->num_parts; p++) {
+            const int64_t *part = d + AE_LORA_B0 + 3 * p;
+            if (part[0] == 0) continue;
+            const int64_t b0 = part[1] / SHRINK_ROWS, b1 = (part[1] + part[2] - 1) / SHRINK_ROWS;
+            for (int64_t m = 0; m < n; m++) {
+                char *yp = y + (rows[first + m] * y_st + y_cols[p]) * es;
+                for (int64_t c0 = 0; c0 < j->widths[p]; c0 += COLS) {
+                    const int64_t nc = j->widths[p] - c0 < COLS ? j->widths[p] - c0 : COLS;
+                    const float *src = j->partials + (j->per_seg * first + m) * j->ntot +
+                                       j->cols[p] + c0;
+                    for (int64_t c = 0; c < nc; c++) delta[c] = 0.0f;
+                    for (int64_t b = b0; b <= b1; b++)
+                        for (int64_t c = 0; c < nc; c++) delta[c] += src[b * n * j->ntot + c];
+                    add_delta(delta, nc, (int)j->dt, yp + c0 * es);
+                }
+            }
+        }
+    }
+}
+
+/* ae_lora_add in items, up to POOL_SEGS segments: on the pool where the caller holds it
+ * (`pooled`), else in one OpenMP region whose loops are the two jobs (the team of the
+ * products around it, whose threads spin between regions where a pool helper would wait for
+ * the core). -1 when out of memory. */
+static int lora_add_items(int pooled, int dt, const void *x, int64_t x_st, void *y, int64_t y_st,
+                          int64_t K, int64_t num_parts, const int64_t *part_cols,
+                          const int64_t *part_widths, const int64_t *rows,
+                          const int64_t *seg_rows, int64_t num_segs, const int64_t *descs,
+                          int64_t desc_offset, int64_t max_rank, int num_threads) {
     struct segs segs = {{0}, {0}, {0}};
     for (int64_t s = 0; s < num_segs; s++) {
         segs.first[s] = seg_rows[s], segs.count[s] = seg_rows[s + 1] - seg_rows[s];
         segs.desc[s] = (const int64_t *)descs[s] + desc_offset;
     }
     const int64_t M = seg_rows[num_segs], es = elem_size(dt);
-    char *xs = ae_pool_buffer(0, (size_t)(M * K * es));
-    float *sh = ae_pool_buffer(1, (size_t)(M * max_rank) * sizeof(float));
-    if (xs == NULL || sh == NULL) return -1;
+    const size_t xs_bytes = (size_t)(M * K * es), sh_bytes = (size_t)(M * max_rank) * 4;
+    char *xs = pooled ? ae_pool_buffer(0, xs_bytes) : malloc(xs_bytes + sh_bytes);
+    if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++)
         memcpy(xs + m * K * es, (const char *)x + rows[m] * x_st * es, (size_t)(K * es));
     const int64_t per_seg = (max_rank + SHRINK_ROWS - 1) / SHRINK_ROWS;
+    if (pooled && M <= AE_POOL_MAX_ROWS) {
+        struct fused_job fj = {xs, NULL, K, dt, per_seg, 0, num_parts, {0}, {0}, segs};
+        for (int64_t p = 0; p < num_parts; p++) {
+            fj.cols[p] = fj.ntot, fj.widths[p] = part_widths[p];
+            fj.ntot += part_widths[p];
+        }
+        fj.partials = ae_pool_buffer(2, (size_t)(per_seg * M * fj.ntot) * sizeof(float));
+        if (fj.partials == NULL) return -1;
+        const int64_t items = per_seg * num_segs;
+        ae_pool_run(fused_pool_item, &fj, sizeof fj, items,
+                    items < num_threads ? (int)items : num_threads);
+        add_partials(&fj, num_segs, part_cols, rows, (char *)y, y_st);
+        return 0;
+    }
+    float *sh = pooled ? ae_pool_buffer(1, sh_bytes) : (float *)(xs + xs_bytes);
+    if (sh == NULL) return -1;
     const struct shrink_job sj = {xs, sh, max_rank, K, dt, per_seg, segs};
-    int64_t items = per_seg * num_segs;
-    ae_pool_run(shrink_pool_item, &sj, sizeof sj, items, items < num_threads ? (int)items : num_threads);
     struct expand_job ej = {sh, y, rows, max_rank, y_st, dt, num_parts, 0, {0}, {0}, segs};
     for (int64_t p = 0; p < num_parts; p++) {
         ej.cols[p] = part_cols[p], ej.widths[p] = part_widths[p];
-        ej.per_seg += (part_widths[p] + COLS - 1) / COLS;
+        ej.per_seg += (part_widths[p] + WIDE - 1) / WIDE;
     }
-    items = ej.per_seg * num_segs;
-    ae_pool_run(expand_pool_item, &ej, sizeof ej, items, items < num_threads ? (int)items : num_threads);
+    const int64_t shrink_items = per_seg * num_segs, expand_items = ej.per_seg * num_segs;
+    if (pooled) {
+        ae_pool_run(shrink_pool_item, &sj, sizeof sj, shrink_items,
+                    shrink_items < num_threads ? (int)shrink_items : num_threads);
+        ae_pool_run(expand_pool_item, &ej, sizeof ej, expand_items,
+                    expand_items < num_threads ? (int)expand_items : num_threads);
+        return 0;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < shrink_items; i++) {
+            const struct ae_commit alone = {0, i};
+            shrink_pool_item(&sj, i, &alone);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < expand_items; i++) {
+            const struct ae_commit alone = {0, i};
+            expand_pool_item(&ej, i, &alone);
+        }
+    }
+    free(xs);
     return 0;
 }
 
@@ -336,16 +492,18 @@ int ae_lora_add(int dt, const void *x, int64_t x_st, void *y, int64_t y_st, int6
         }
     }
     if (max_rank == 0) return 0;
-    /* On the pool where the caller can hold it, whatever the rows: an OpenMP team waits at
-     * each of its barriers for a thread that was preempted, and on 2 cores shared with another
-     * busy process that cost whole time slices (64 rows, 4 adapters, SmolLM2's 30 layers: 75
-     * to 140 ms a step on OpenMP against 19-20 ms on the pool, measured side by side). */
-    if (num_threads > 1 && work >= PARALLEL_MIN_WORK &&
-        num_segs <= POOL_SEGS && ae_pool_acquire()) {
-        const int status = lora_add_pool(dt, x, x_st, y, y_st, K, num_parts, part_cols,
-                                         part_widths, rows, seg_rows, num_segs, descs,
-                                         desc_offset, max_rank, num_threads);
-        ae_pool_release();
+    /* Decode-sized calls on the pool, as linear.c's products (whose caller never waits for a
+     * preempted thread); larger ones in one OpenMP region, as the products around them. Those
+     * leave their team's threads spinning for the next region, and a pool helper then waits
+     * for a core: at 64 rows (4 adapters, SmolLM2's 30 layers, on 2 cores) the pool added
+     * ~23 ms to a step, one OpenMP region ~2 ms. (On cores shared with another busy process,
+     * OpenMP's barriers wait for preempted threads, LoRA's as the products' own.) */
+    if (num_threads > 1 && work >= PARALLEL_MIN_WORK && num_segs <= POOL_SEGS) {
+        const int pooled = M <= AE_POOL_MAX_ROWS && ae_pool_acquire();
+        const int status = lora_add_items(pooled, dt, x, x_st, y, y_st, K, num_parts, part_cols,
+                                          part_widths, rows, seg_rows, num_segs, descs,
+                                          desc_offset, max_rank, num_threads);
+        if (pooled) ae_pool_release();
         return status;
     }
     /* Item tables: (segment, first row of A) and (segment, part, first column). */
