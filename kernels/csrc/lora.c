@@ -404,7 +404,9 @@ static int lora_add_items(int pooled, int dt, const void *x, int64_t x_st, void 
         segs.desc[s] = (const int64_t *)descs[s] + desc_offset;
     }
     const int64_t M = seg_rows[num_segs], es = elem_size(dt);
-    const size_t xs_bytes = (size_t)(M * K * es), sh_bytes = (size_t)(M * max_rank) * 4;
+    /* x's rows, then (off the pool) the shrink's sums, 64-byte aligned */
+    const size_t xs_bytes = (size_t)(M * K * es + 63) / 64 * 64;
+    const size_t sh_bytes = (size_t)(M * max_rank) * 4;
     char *xs = pooled ? ae_pool_buffer(0, xs_bytes) : malloc(xs_bytes + sh_bytes);
     if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++)

@@ -110,6 +110,8 @@ def test_segments_match_the_reference(dtype: torch.dtype, wdtype: torch.dtype, r
     _case(lib, dtype, wdtype, (rank, rank), 64, 96, (200, 200), seed=rank + 2)
     # a decode-sized call (on the work pool, csrc/pool.c, with threads to share it)
     _case(lib, dtype, wdtype, (rank, rank // 2, rank), 7, 1000, (67, 21, 21), seed=rank + 3)
+    # more adapters than a pool job's context holds (the kernel's general path)
+    _case(lib, dtype, wdtype, (rank,) * 7, 30, 300, (67, 21, 21), seed=rank + 4)
 
 
 @pytest.mark.parametrize("tokens", [1, 6, 40])
