@@ -17,7 +17,7 @@ otherwise.
 
 A step whose rows use LoRA adapters stays on this call: each adapter's `native_table`
 (model/lora_layers.py) goes in with its rows, and after each group of products the C code adds
-their low-rank deltas (kernels/csrc/lora.c), where the Python loop adds them with torch.
+their low-rank deltas (kernels/csrc/lora.c), as the Python loop adds them after its products.
 """
 
 from __future__ import annotations
