@@ -52,9 +52,27 @@ class QuantLinear(nn.Module):
             return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
         if self.dequant and x.numel() // self.in_features >= self.dequant_min_rows:
             # Many rows: the weight dequantized into a scratch buffer, then the float GEMM.
-            weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, self))
-            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+            return self._dequantized_product(x)
         return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
+
+    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + bias over W dequantized, DEQUANT_CHUNK_BYTES of it at a time: a chunk is
+        read back by the GEMM from the cache it was just written to, where a whole weight of
+        a 1B model (up to 64 MB in bf16) went out to memory and back."""
+        n, k = self.out_features, self.in_features
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        rows = max(64, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
+        if rows >= n:
+            weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, n, k))
+            return F.linear(x, weight, bias)
+        flat = x.reshape(-1, k)
+        out = torch.empty(flat.shape[0], n, dtype=x.dtype)
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            chunk = _scratch(x.dtype, n1 - n0, k)
+            weight = dequantize_cpu(self.qweight[n0:n1], self.qtype, x.dtype, chunk)
+            out[:, n0:n1] = F.linear(flat, weight, None if bias is None else bias[n0:n1])
+        return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
@@ -85,17 +103,23 @@ def dequant_min_rows(qtype: str) -> int:
 # model (its joint gate/up projection: 2 x 8192 x 2048).
 DEQUANT_MAX_VALUES = 1 << 25
 
+# A many-row product over a weight larger than this dequantizes and multiplies it in chunks of
+# rows this size, each read back by the GEMM from the cache it was just written to. Measured on
+# Zen 4 (1 MB of L2 per core, 32 MB of L3), Llama-3.2-1B's shapes in Q8_0, 16 streams with
+# 80-token prompts: whole weights 51 tok/s; chunks of 1 MB 47, 2 MB 64, 4 MB 65, 8 MB 64-72,
+# 16 MB 58.
+DEQUANT_CHUNK_BYTES = 8 << 20
 _SCRATCH = threading.local()  # one buffer per thread (in-process engines may run side by side)
 
 
-def _scratch(dtype: torch.dtype, layer: QuantLinear) -> torch.Tensor:
-    """A [N, K] `dtype` view of this thread's scratch buffer, grown to fit (never shrunk: the
-    largest weight of a model, once)."""
-    need = layer.out_features * layer.in_features
+def _scratch(dtype: torch.dtype, n: int, k: int) -> torch.Tensor:
+    """A [n, k] `dtype` view of this thread's scratch buffer, grown to fit (never shrunk: the
+    largest weight or chunk of a model, once)."""
+    need = n * k
     buffer: torch.Tensor | None = getattr(_SCRATCH, "buffer", None)
     if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
         buffer = _SCRATCH.buffer = torch.empty(need, dtype=dtype)
-    return buffer[:need].view(layer.out_features, layer.in_features)
+    return buffer[:need].view(n, k)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:

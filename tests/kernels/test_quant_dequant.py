@@ -85,3 +85,19 @@ def test_a_huge_weight_stays_on_the_int8_kernels(monkeypatch: pytest.MonkeyPatch
     assert not layer.dequant
     x = torch.randn(quant_linear.DEQUANT_MIN_ROWS, 512, generator=gen)
     assert torch.equal(layer(x), linear_quant_cpu(x, qweight, "q8_0"))
+
+
+def test_a_weight_past_the_chunk_size_dequantizes_in_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncengine.model import quant_linear
+
+    # chunks of 64 rows (the least), the last one short: 150 = 64 + 64 + 22
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK_BYTES", 1)
+    gen = torch.Generator().manual_seed(3)
+    qweight = random_blocks("q4_k", 150, 256, gen)
+    bias = torch.randn(150, generator=gen).bfloat16()
+    layer = quant_linear.QuantLinear(qweight, "q4_k", bias)
+    x = torch.randn(2, 20, 256, generator=gen).bfloat16()  # 40 rows: past dequant_min_rows
+    expected = F.linear(x, dequantize(qweight, "q4_k").bfloat16(), bias)
+    assert torch.equal(layer(x), expected)
