@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+# The autouse fixture that runs each test with the bf16 layers on the AVX2 dense kernel and on
+# linear.c's packed blocks.
+from test_decode_layers import route  # noqa: F401
+
 from asyncengine import LLM, LoRARequest, SamplingParams
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
-from asyncengine.kernels.linear_dense_cpu import dense_kernels
-from asyncengine.model import cpu_linear, decode_layers, lora_layers
+from asyncengine.model import decode_layers, lora_layers
 from asyncengine.testing.lora import build_peft_adapter
 
 pytestmark = [
@@ -28,22 +31,6 @@ ADAPTERS: dict[str, dict[str, Any]] = {
     "mlp": dict(target_modules=["gate_proj", "up_proj", "down_proj"], rank=16, seed=2),
     "qv": dict(target_modules=["q_proj", "v_proj"], rank=64, seed=3),  # k left out
 }
-
-
-@pytest.fixture(autouse=True, params=["dense", "packed"])
-def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The bf16 layers on the AVX2 dense kernel or on linear.c's packed blocks (AVX512-BF16
-    builds; on AMX CPUs with the native row limit raised), as tests/model/test_decode_layers.py."""
-    if request.param == "dense":
-        if dense_kernels() is None:
-            pytest.skip("the native kernels were built without AVX2 and FMA")
-        monkeypatch.setattr(cpu_linear, "_packing_works", lambda dtype: False)
-    else:
-        lib = load_native()
-        if lib is None or not lib.linear_bf16_fast:
-            pytest.skip("the native kernel's fast path is not built (AVX512-BF16)")
-        monkeypatch.setattr(cpu_linear, "NATIVE_MAX_ROWS_AMX", cpu_linear.NATIVE_MAX_ROWS)
-    return str(request.param)
 
 
 Run = list[tuple[list[int], list[float]]]
