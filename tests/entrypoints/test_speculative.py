@@ -220,9 +220,9 @@ def test_the_native_decode_call_verifies_drafts_in_bf16(
     native_steps = verify_steps = 0
     real = decode_layers.NativeDecodeLayers.__call__
 
-    def spy(layers: Any, residual: torch.Tensor, cos: Any, sin: Any, attn: Any) -> Any:
+    def spy(layers: Any, residual: torch.Tensor, cos: Any, sin: Any, attn: Any, *rest: Any) -> Any:
         nonlocal native_steps, verify_steps
-        out = real(layers, residual, cos, sin, attn)
+        out = real(layers, residual, cos, sin, attn, *rest)
         if out is not None:
             plan = attn.plan
             lens = zip(plan.q_lens.tolist(), plan.seq_lens.tolist(), strict=True)
