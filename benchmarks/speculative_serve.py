@@ -39,7 +39,6 @@ import http.client
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.models import CACHE_DIR, REPO_ROOT, describe, model_dir
 from benchmarks.peers import llamacpp
-from benchmarks.peers.http_load import LoadError, SSEParser
+from benchmarks.peers.http_load import greedy_stream_body, read_stream
 from benchmarks.peers.servers import asyncengine_command, free_port, running_server
 from benchmarks.speculative import TASKS
 
@@ -128,16 +127,7 @@ class ChatTally:
 
 def chat_body(prompt: str, max_tokens: int, model: str | None = None) -> dict[str, Any]:
     """The request every server gets: one user turn, streamed, greedy, usage in every chunk."""
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if model is not None:
-        body["model"] = model
-    return body
+    return greedy_stream_body(max_tokens, model, messages=[{"role": "user", "content": prompt}])
 
 
 async def stream_chat(
@@ -147,7 +137,6 @@ async def stream_chat(
     event."""
     import aiohttp
 
-    parser = SSEParser()
     tally = ChatTally()
     # A connection of its own, closed after: llama-server closes kept-alive connections.
     connector = aiohttp.TCPConnector(force_close=True)
@@ -158,14 +147,7 @@ async def stream_chat(
             base_url + "/v1/chat/completions", json=chat_body(prompt, max_tokens, model)
         ) as response,
     ):
-        if response.status != 200:
-            raise LoadError(f"HTTP {response.status} from {base_url}: {await response.text()}")
-        async for data in response.content.iter_any():
-            now = time.perf_counter()  # one clock read per read: its events arrived together
-            for event in parser.feed(data):
-                if "error" in event:
-                    raise LoadError(f"error event from {base_url}: {event['error']}")
-                tally.add(event, now)
+        await read_stream(response, base_url, tally.add)
     return tally
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,21 +168,42 @@ def summarize(tallies: Sequence[StreamTally], wall_seconds: float) -> dict[str, 
 # ---- the load generator ------------------------------------------------------------------------
 
 
-def completion_body(
-    prompt: Sequence[int], max_tokens: int, model: str | None = None
-) -> dict[str, Any]:
-    """The request every server gets: streamed, greedy, EOS ignored, usage in every event."""
+def greedy_stream_body(max_tokens: int, model: str | None, **fields: Any) -> dict[str, Any]:
+    """A streamed, greedy request with usage in every event: `fields` (its prompt or messages,
+    and anything else) and those settings."""
     body: dict[str, Any] = {
-        "prompt": list(prompt),
+        **fields,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if model is not None:
         body["model"] = model
     return body
+
+
+def completion_body(
+    prompt: Sequence[int], max_tokens: int, model: str | None = None
+) -> dict[str, Any]:
+    """The request every server gets: streamed, greedy, EOS ignored, usage in every event."""
+    return greedy_stream_body(max_tokens, model, prompt=list(prompt), ignore_eos=True)
+
+
+async def read_stream(
+    response: Any, base_url: str, add: Callable[[dict[str, Any], float], object]
+) -> None:
+    """Each event of an aiohttp streamed `response` into `add(event, arrival time)`. Raises
+    LoadError (with the response body) on a non-200 status and on an error event."""
+    if response.status != 200:
+        raise LoadError(f"HTTP {response.status} from {base_url}: {await response.text()}")
+    parser = SSEParser()
+    async for data in response.content.iter_any():
+        now = time.perf_counter()  # one clock read per read: its events arrived together
+        for event in parser.feed(data):
+            if "error" in event:
+                raise LoadError(f"error event from {base_url}: {event['error']}")
+            add(event, now)
 
 
 async def stream_one(
@@ -194,17 +215,9 @@ async def stream_one(
     the stream ends with fewer than `max_tokens` tokens (EOS is ignored, so that is a failure).
     """
     body = completion_body(prompt, max_tokens, model)
-    parser = SSEParser()
     tally = StreamTally(max_tokens=max_tokens, submitted=time.perf_counter())
     async with session.post(base_url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise LoadError(f"HTTP {response.status} from {base_url}: {await response.text()}")
-        async for data in response.content.iter_any():
-            now = time.perf_counter()  # one clock read per read: its events arrived together
-            for event in parser.feed(data):
-                if "error" in event:
-                    raise LoadError(f"error event from {base_url}: {event['error']}")
-                tally.add(event, now)
+        await read_stream(response, base_url, tally.add)
     if tally.tokens != max_tokens:
         raise LoadError(f"a stream from {base_url} ended with {tally.tokens}/{max_tokens} tokens")
     return tally
