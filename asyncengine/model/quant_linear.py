@@ -79,14 +79,14 @@ class QuantLinear(nn.Module):
 
 
 # Products of at least this many rows dequantize the weight (once per product, into a scratch
-# buffer the size of the largest weight, never kept) and run torch's float GEMM on it: there the
-# GEMM's speed outweighs a pass over the weight, while the int8 kernels pay a scale product per
-# block and row. Fewer rows (decode of a few streams) read the blocks in place with the
-# activations quantized to int8, as llama.cpp does. The two give slightly different sums (no
-# int8 rounding of the activations here), so a request's numbers depend on how many rows its
-# step had, as with any GEMM. Where the two cross, measured on AVX512-VNNI Zen 4 (one thread,
-# SmolLM2's and Llama-3.2-1B's shapes): 14-16 rows for the blocks of 32 (Q8_0, Q5_0), 33-36
-# for the K-quants, whose int8 kernels do more per byte of weight.
+# buffer of at most DEQUANT_CHUNK_BYTES at a time, never kept) and run torch's float GEMM on
+# it: there the GEMM's speed outweighs a pass over the weight, while the int8 kernels pay a
+# scale product per block and row. Fewer rows (decode of a few streams) read the blocks in
+# place with the activations quantized to int8, as llama.cpp does. The two give slightly
+# different sums (no int8 rounding of the activations here), so a request's numbers depend on
+# how many rows its step had, as with any GEMM. Where the two cross, measured on AVX512-VNNI
+# Zen 4 (one thread, SmolLM2's and Llama-3.2-1B's shapes): 14-16 rows for the blocks of 32
+# (Q8_0, Q5_0), 33-36 for the K-quants, whose int8 kernels do more per byte of weight.
 DEQUANT_MIN_ROWS_BY_BLOCK = {32: 16, 256: 32}
 # From this many rows every format dequantizes.
 DEQUANT_MIN_ROWS = max(DEQUANT_MIN_ROWS_BY_BLOCK.values())
@@ -97,10 +97,11 @@ def dequant_min_rows(qtype: str) -> int:
     return DEQUANT_MIN_ROWS_BY_BLOCK[quant_format(qtype).values]
 
 
-# A weight of more values always runs on the int8 kernels: the scratch buffer would cost more
-# memory than a model's quantized file saves (a 1B model's 128k-token lm_head, tied to its
-# embedding, is 262M values: 0.5 GB in bf16). 2^25 takes every other projection of such a
-# model (its joint gate/up projection: 2 x 8192 x 2048).
+# A weight of more values always runs on the int8 kernels (a 1B model's 128k-token lm_head,
+# tied to its embedding, is 262M values; 2^25 takes every other projection of such a model).
+# The limit kept a whole dequantized weight out of memory (0.5 GB for that lm_head); since
+# products dequantize in chunks it no longer does, and whether such a weight is faster on
+# the GEMM in chunks is not yet measured.
 DEQUANT_MAX_VALUES = 1 << 25
 
 # A many-row product over a weight larger than this dequantizes and multiplies it in chunks of
