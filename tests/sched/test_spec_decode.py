@@ -24,7 +24,12 @@ from asyncengine.ipc.serial import decode_config, encode_config
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.sched.kv_cache_manager import KVCacheManager
 from asyncengine.sched.scheduler import Scheduler
-from asyncengine.sched.spec_decode import MAX_STEP_TOKENS, PAUSE_STEPS, WINDOW_TOKENS
+from asyncengine.sched.spec_decode import (
+    MAX_PAUSE_STEPS,
+    MAX_STEP_TOKENS,
+    PAUSE_STEPS,
+    WINDOW_TOKENS,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,12 +128,17 @@ class VerifyingRunner:
 
 
 def _scheduler(
-    num_blocks: int, budget: int, max_seqs: int, spec: SpeculativeConfig | None, prefix: bool
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    spec: SpeculativeConfig | None,
+    prefix: bool,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         policy="fcfs",
         speculative=spec,
     )
@@ -250,10 +260,11 @@ def _decoding(
     params: SamplingParams,
     budget: int = 64,
     prompt: tuple[int, ...] = (1, 2, 3, 1, 2, 3, 1, 2),
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Scheduler:
     """A scheduler whose one request ("a") has its `prompt` computed and one output token,
     3; its next steps have `budget` tokens."""
-    sched = _scheduler(50, 64, 4, spec, True)
+    sched = _scheduler(max(50, max_model_len // BLOCK + 2), 64, 4, spec, True, max_model_len)
     sched.add_request(EngineCoreRequest("a", list(prompt), params, 0.0))
     out = sched.schedule()
     sched.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[3]]))
@@ -306,31 +317,59 @@ def test_rejected_drafts_give_their_blocks_back() -> None:
     assert sched.statistics().num_accepted_tokens == 2
 
 
-def test_a_request_whose_drafts_fail_stops_drafting_for_a_while() -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-    sched = _decoding(SPEC, params, prompt=(1, 2, 3) * 4)
+def _fail_until_turn_down(sched: Scheduler, accept: bool = False) -> list[int]:
+    """Steps of request "a" whose drafts the model never takes (or, with `accept`, always
+    takes), until a window's worth of them were verified; each step's number of drafts."""
     speculator = sched.speculator
     assert speculator is not None
-    drafted: list[int] = []  # per step, the drafts the request got
-    for _step in range(4 + PAUSE_STEPS + 2):
+    drafted: list[int] = []
+    for _step in range(WINDOW_TOKENS + 1):
         out = sched.schedule()
         drafts = out.scheduled_spec_decode_tokens.get("a", [])
         drafted.append(len(drafts))
-        # The model never takes a draft, but its tokens keep matching earlier ones.
-        token = 2 if drafts and drafts[0] == 1 else 1
-        sched.update_from_output(out, ModelRunnerOutput(["a"], [[token]]))
-        if speculator.num_turn_downs:
+        # The model takes every draft, or none, but its tokens keep matching earlier ones.
+        tokens = [*drafts, 3] if accept else [2 if drafts and drafts[0] == 1 else 1]
+        sched.update_from_output(out, ModelRunnerOutput(["a"], [tokens]))
+        if drafts and speculator._windows["a"].drafted == 0:  # the window ended
             break
+    return drafted
+
+
+def _paused_steps(sched: Scheduler, limit: int) -> int:
+    """Steps of request "a" without drafts until it drafts again (at most `limit` + 1)."""
+    for step in range(limit + 1):
+        out = sched.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        if drafts:  # its first draft again: leave this step unfinished for the caller
+            sched.update_from_output(out, ModelRunnerOutput(["a"], [[2 if drafts[0] == 1 else 1]]))
+            return step
+        sched.update_from_output(out, ModelRunnerOutput(["a"], [[1]]))
+    return limit + 1
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_for_a_while() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    sched = _decoding(SPEC, params, prompt=(1, 2, 3) * 4, max_model_len=2048)
+    speculator = sched.speculator
+    assert speculator is not None
+    drafted = _fail_until_turn_down(sched)
     # Every step drafted until a window's worth of drafts failed...
     assert all(drafted) and sum(drafted) >= WINDOW_TOKENS > sum(drafted[:-1])
-    # ...then it decodes plainly for PAUSE_STEPS steps, and drafts again.
-    paused = []
-    for _step in range(PAUSE_STEPS + 1):
-        out = sched.schedule()
-        paused.append(len(out.scheduled_spec_decode_tokens.get("a", [])))
-        sched.update_from_output(out, ModelRunnerOutput(["a"], [[1]]))
-    assert paused[:PAUSE_STEPS] == [0] * PAUSE_STEPS and paused[-1] > 0
-    assert sched.statistics().num_spec_turn_downs == 1
+    assert speculator.num_turn_downs == 1
+    # ...then it decodes plainly for PAUSE_STEPS steps, and drafts again; each window in a
+    # row that fails doubles the pause, up to MAX_PAUSE_STEPS.
+    assert _paused_steps(sched, PAUSE_STEPS) == PAUSE_STEPS
+    pauses = []
+    while len(pauses) < 4:
+        _fail_until_turn_down(sched)
+        pauses.append(_paused_steps(sched, MAX_PAUSE_STEPS))
+    expected = [min(PAUSE_STEPS << i, MAX_PAUSE_STEPS) for i in range(1, 5)]
+    assert pauses == expected and expected[-1] == MAX_PAUSE_STEPS
+    # A window whose drafts were taken ends the run: the next failing one pauses briefly.
+    _fail_until_turn_down(sched, accept=True)
+    _fail_until_turn_down(sched)
+    assert _paused_steps(sched, MAX_PAUSE_STEPS) == PAUSE_STEPS
+    assert sched.statistics().num_spec_turn_downs == 6
     sched.abort_requests(["a"])
     assert not speculator._windows  # forgotten with its request
 
