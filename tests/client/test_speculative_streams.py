@@ -1,6 +1,6 @@
 """AsyncLLM with n-gram speculation, over a real engine-core process: streams carry several
 tokens per output and add up to the unspeculated tokens; leaving a stream aborts it and frees
-its blocks, rolled-back drafts included."""
+its blocks, rolled-back drafts included; data-parallel ranks each speculate."""
 
 from __future__ import annotations
 
@@ -65,3 +65,25 @@ async def test_leaving_a_stream_aborts_it_and_frees_its_blocks(engine: AsyncLLM)
     async for out in engine.generate(PROMPTS[0], params):
         if len(out.outputs[0].token_ids) >= 5:
             break  # the fixture checks every block is back
+
+
+async def test_data_parallel_ranks_each_speculate(
+    tiny_llama: Path, reference: dict[str, list[int]]
+) -> None:
+    """Each rank drafts and verifies its own requests; the totals add the ranks' counts."""
+    async with AsyncLLM.from_pretrained(
+        tiny_llama, speculative_config=SPEC, data_parallel_size=2, **ENGINE_KW
+    ) as engine:
+        for rank in (0, 1):
+            for prompt in PROMPTS:
+                final = None
+                async for out in engine.generate(prompt, GREEDY, data_parallel_rank=rank):
+                    final = out
+                assert final is not None and final.outputs[0].token_ids == reference[prompt]
+        stats = await wait_until_idle(engine)
+        assert [r.data_parallel_rank for r in stats.ranks] == [0, 1]
+        for rank in stats.ranks:
+            assert rank.num_accepted_tokens > 0
+            assert rank.num_free_kv_blocks == rank.num_kv_blocks
+        assert stats.num_accepted_tokens == sum(r.num_accepted_tokens for r in stats.ranks)
+        assert stats.num_draft_tokens == sum(r.num_draft_tokens for r in stats.ranks)

@@ -191,6 +191,7 @@ def test_the_cli_flag_passes_the_json_on() -> None:
 
 
 def test_metrics_show_the_drafts(engines: tuple[LLM, LLM]) -> None:
+    engines[1].generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     stats = engines[1].statistics()
     text = ServerMetrics("tiny").render(stats)
     labels = '{model_name="tiny",engine="0"}'
@@ -201,6 +202,17 @@ def test_metrics_show_the_drafts(engines: tuple[LLM, LLM]) -> None:
     assert f"asyncengine_spec_decode_num_accepted_tokens_total{labels} {accepted}" in text
     rate = stats.spec_acceptance_rate
     assert f"asyncengine_spec_decode_acceptance_rate{labels} {rate!r}" in text
+    turn_downs = stats.num_spec_turn_downs
+    assert f"asyncengine_spec_decode_num_turn_downs_total{labels} {turn_downs}" in text
+    assert len(stats.spec_drafts_per_position) == SPEC["num_speculative_tokens"]
+    assert stats.spec_accepted_per_position[0] > 0
+    for name, counts in (
+        ("num_drafts_per_pos_total", stats.spec_drafts_per_position),
+        ("num_accepted_tokens_per_pos_total", stats.spec_accepted_per_position),
+    ):
+        for position, count in enumerate(counts):
+            series = f'{labels[:-1]},position="{position}"}}'
+            assert f"asyncengine_spec_decode_{name}{series} {count}" in text
 
 
 def test_tensor_parallel_ranks_agree_on_the_accepted_tokens(tiny_llama: Path) -> None:

@@ -220,6 +220,16 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("spec_decode_acceptance_rate", "gauge",
      "Speculative decoding: fraction of draft tokens accepted, since start.",
      "spec_acceptance_rate"),
+    ("spec_decode_num_turn_downs_total", "counter",
+     "Speculative decoding: times a request's failing drafts paused its drafting.",
+     "num_spec_turn_downs"),
+)  # fmt: skip
+# Per draft position (label `position`, 0: a step's first draft), as vLLM's per-position counter.
+_PER_POSITION_METRICS = (
+    ("spec_decode_num_drafts_per_pos_total", "Speculative decoding: drafts verified, by position.",
+     "spec_drafts_per_position"),
+    ("spec_decode_num_accepted_tokens_per_pos_total",
+     "Speculative decoding: drafts accepted, by position.", "spec_accepted_per_position"),
 )  # fmt: skip
 
 
@@ -234,6 +244,14 @@ def _engine_lines(stats: EngineStats, labels: str) -> list[str]:
             value = getattr(rank_stats, field_name)
             rank = rank_stats.data_parallel_rank or 0
             lines.append(f'{PREFIX}{name}{{{labels},engine="{rank}"}} {value!r}')
+    for name, help_text, field_name in _PER_POSITION_METRICS:
+        lines += _header(PREFIX + name, help_text, "counter")
+        for rank_stats in ranks:
+            rank = rank_stats.data_parallel_rank or 0
+            for position, value in enumerate(getattr(rank_stats, field_name)):
+                lines.append(
+                    f'{PREFIX}{name}{{{labels},engine="{rank}",position="{position}"}} {value}'
+                )
     return lines
 
 
