@@ -204,6 +204,12 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _i64,  # weight (GGUF blocks, N rows of K / values blocks), N, K
         _ptr, _ptr, _i64, _int,  # bias (or NULL), out, its row stride, threads
     )),
+    "ae_quant_gemm": (_int, (
+        _int, _int, _ptr, _i64, _i64,  # as ae_linear_quant
+        _ptr, _i64, _i64,
+        _ptr, _ptr, _i64, _int,
+    )),
+    "ae_quant_gemm_min_rows": (_int, ()),
     "ae_dequantize_quant": (_int, (
         _int, _ptr, _i64, _i64,  # format code, weight (GGUF blocks), N, K
         _int, _ptr, _i64, _int,  # dtype code, out, its row stride, threads
@@ -248,6 +254,10 @@ class NativeKernels:
     # which formats ae_linear_quant runs (bit f: format code f; see quant_formats.FORMATS)
     quant_formats: int
     linear_quant: Callable[..., int]
+    # quant_gemm.c's many-row product (tests call it directly), and from how many rows
+    # linear_quant takes it on the VNNI path (0: never)
+    quant_gemm: Callable[..., int]
+    quant_gemm_min_rows: Callable[[], int]
     dequantize_quant: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
     # how many items the caller took over from helpers since the last call
@@ -360,6 +370,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         pool_set_strict=_function(lib, "ae_pool_set_strict"),  # type: ignore[arg-type]
         quant_formats=int(_function(lib, "ae_quant_formats")()),  # type: ignore[func-returns-value,call-overload]
         linear_quant=_function(lib, "ae_linear_quant"),  # type: ignore[arg-type]
+        quant_gemm=_function(lib, "ae_quant_gemm"),  # type: ignore[arg-type]
+        quant_gemm_min_rows=_function(lib, "ae_quant_gemm_min_rows"),  # type: ignore[arg-type]
         dequantize_quant=_function(lib, "ae_dequantize_quant"),  # type: ignore[arg-type]
     )
 

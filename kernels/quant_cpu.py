@@ -1,6 +1,7 @@
 """Linear layers over GGUF's block-quantized weights on CPU: the native kernels
-(`csrc/quant_legacy.c` for the blocks of 32, `csrc/quant_kquants.c` for the K-quants), a torch
-reference, and quantizers for tests.
+(`csrc/quant_legacy.c` for the blocks of 32, `csrc/quant_kquants.c` for the K-quants, and
+`csrc/quant_gemm.c` for many rows on AVX512-VNNI), a torch reference, and quantizers for
+tests.
 
 A weight [N, K] is kept as a GGUF file stores it, a uint8 tensor [N, K / values * block bytes]
 of whole blocks (the formats: `quant_formats`), so a tensor can be read in place from the
@@ -51,7 +52,8 @@ from asyncengine.kernels.quant_formats import (
 __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
     "Q6_K", "Q8_0", "QK", "available_paths", "current_path", "dequantize",
-    "dequantize_cpu", "dequantize_rows_q8", "linear_quant_cpu", "linear_quant_torch",
+    "dequantize_cpu", "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu",
+    "linear_quant_torch",
     "native_formats",
     "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight", "set_path",
 ]  # fmt: skip
@@ -187,6 +189,12 @@ def current_path() -> str:
     return PATHS[_kernels().quant_set_path(-2)]
 
 
+def gemm_min_rows() -> int:
+    """From how many rows `linear_quant_cpu` runs on the panel GEMM (`csrc/quant_gemm.c`:
+    the AVX512-VNNI path only); 0 where it never does."""
+    return int(_kernels().quant_gemm_min_rows())
+
+
 def _set_path(lib: NativeKernels, name: str | None) -> str:
     if name is not None and name not in PATHS:
         raise ValueError(f"unknown quantized-kernel path {name!r} (one of {', '.join(PATHS)})")
@@ -220,7 +228,8 @@ def linear_quant_cpu(
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`x @ W^T + bias` by the native kernels (see the module docstring): one row runs as a
     matrix-vector product on the work pool, more rows as tiles that load each weight block
-    once for several rows."""
+    once for several rows, and from `gemm_min_rows()` rows (AVX512-VNNI) as a GEMM over
+    panels of the weight unpacked to bytes."""
     fmt = quant_format(qtype)
     lib = _kernels()
     rows = as_rows(x)

@@ -164,6 +164,15 @@ int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, con
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                     int num_threads);
 
+/* quant_gemm.c: ae_linear_quant's product on AVX512-VNNI over weights unpacked a panel at a
+ * time, for many rows of x (the same arguments and returns; -3 where the build has no
+ * AVX512-VNNI); ae_linear_quant takes it from ae_quant_gemm_min_rows() rows on the VNNI path
+ * (0: never) */
+int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                  int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                  int num_threads);
+int ae_quant_gemm_min_rows(void);
+
 /* quant_dequant.c: W's N rows of GGUF blocks (format code fmt) as dtype dt (0 fp32, 1 bf16,
  * 2 fp16) rows of stride o_st in out: 0 on success, -2 when K is not a multiple of the block,
  * -3 for an unknown format, -4 for an unknown dtype */

@@ -798,6 +798,19 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     return 0;
 }
 
+/* From this many rows of x, on the VNNI path, products run on quant_gemm.c's panels: above
+ * AE_POOL_MAX_ROWS (its OpenMP team never meets the pool's decode steps) and where it is
+ * faster than the tiles here (measured: see quant_gemm.c). */
+#define GEMM_MIN_ROWS 9
+
+int ae_quant_gemm_min_rows(void) {
+#ifdef HAVE_VNNI
+    return current_path() == PATH_VNNI ? GEMM_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 /* Bit f set for each format code f (quant_formats.FORMATS) that ae_linear_quant runs: this
  * file's legacy formats and quant_kquants.c's. */
 int ae_quant_formats(void) {
@@ -817,6 +830,11 @@ int ae_quant_formats(void) {
 int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                     int num_threads) {
+    const int gemm_rows = ae_quant_gemm_min_rows();
+    if (gemm_rows > 0 && M >= gemm_rows) {
+        const int r = ae_quant_gemm(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+        if (r != -3) return r;
+    }
     if (fmt >= AE_QUANT_Q4_K)
         return ae_linear_kquant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
     if (fmt < 0 || fmt >= FMT_END) return -3;

@@ -1,14 +1,17 @@
 """`dequantize_cpu` (csrc/quant_dequant.c): every format read back as fp32, bf16 and fp16 equals
 `quant_formats.dequantize` (gguf-py's numbers) rounded once, bit for bit; and `QuantLinear`'s
-many-row products, which run the float GEMM on it, equal that product over the dequantized
-weight."""
+many-row products on CPUs without AVX512-VNNI, which run the float GEMM on it, equal that
+product over the dequantized weight (the AVX2 path stands in for such a CPU here)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from asyncengine.kernels import quant_cpu
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.quant_cpu import dequantize_cpu, linear_quant_cpu
 from asyncengine.kernels.quant_formats import FORMATS, dequantize, random_blocks
@@ -18,6 +21,16 @@ pytestmark = [
     pytest.mark.skipif(load_native() is None, reason=unavailable_reason()),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def no_panel_gemm() -> Iterator[None]:
+    """A path without the panel GEMM (csrc/quant_gemm.c), which would take many-row products
+    instead of the dequantized weight."""
+    if quant_cpu.gemm_min_rows() and "avx2" in quant_cpu.available_paths():
+        quant_cpu.set_path("avx2")
+    yield
+    quant_cpu.set_path(None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -55,6 +68,7 @@ def test_bad_weights_and_outputs_are_refused() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+@pytest.mark.usefixtures("no_panel_gemm")
 def test_many_row_products_run_the_float_gemm_on_the_dequantized_weight(
     qtype: str, dtype: torch.dtype
 ) -> None:
@@ -75,6 +89,7 @@ def test_many_row_products_run_the_float_gemm_on_the_dequantized_weight(
     assert (layer(few).float() - close).abs().max() <= 0.05 * scale
 
 
+@pytest.mark.usefixtures("no_panel_gemm")
 def test_a_huge_weight_stays_on_the_int8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncengine.model import quant_linear
 
@@ -87,6 +102,7 @@ def test_a_huge_weight_stays_on_the_int8_kernels(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(layer(x), linear_quant_cpu(x, qweight, "q8_0"))
 
 
+@pytest.mark.usefixtures("no_panel_gemm")
 def test_a_weight_past_the_chunk_size_dequantizes_in_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -176,29 +176,43 @@ def test_greedy_tokens_follow_the_dequantized_reference(
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_a_long_prefill_runs_the_float_gemm_on_dequantized_weights(
-    tmp_path: Path, qtype: Q
-) -> None:
-    # One step of at least DEQUANT_MIN_ROWS tokens: every projection multiplies the
-    # dequantized weight with the float GEMM, so the prompt's logprobs are the unrounded fp32
-    # reference's up to the order of sums.
+def test_a_long_prefill_gives_its_routes_reference_logprobs(tmp_path: Path, qtype: Q) -> None:
+    # One step of at least DEQUANT_MIN_ROWS tokens. Without AVX512-VNNI (the AVX2 path stands
+    # in) the projections multiply the dequantized weight with the float GEMM: the prompt's
+    # logprobs are the unrounded fp32 reference's up to the order of sums. With it every
+    # projection runs the int8 panel GEMM, its input rows rounded to int8 blocks as in short
+    # steps: close to the reference that rounds them too, where a sum's order can move a
+    # value across a rounding step of its block (so 1e-2, not 1e-4).
+    from asyncengine.kernels import quant_cpu
     from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS
 
     tiny = write_tiny_gguf(tmp_path / "long.gguf", "llama", weight_type=qtype, seed=5,
                            shapes=K_SHAPES)  # fmt: skip
     prompt = [3 + (11 * i) % 200 for i in range(DEQUANT_MIN_ROWS + 16)]
-    model = _reference_model(tiny.path, tiny, quantized=False)
-    with torch.inference_mode():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    llm = LLM(tiny.path, device="cpu", dtype="float32", max_num_batched_tokens=256)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert out.prompt_logprobs is not None
-    for p in range(1, len(prompt)):
-        got = out.prompt_logprobs[p]
-        assert got is not None
-        assert got[prompt[p]].logprob == pytest.approx(reference[p - 1, prompt[p]].item(), abs=1e-4)
-    _assert_free(llm)
+    routes = [(path, path == "avx512_vnni") for path in quant_cpu.available_paths()
+              if path != "scalar"]  # fmt: skip
+    try:
+        for path, rounded in routes:
+            quant_cpu.set_path(path)
+            assert (quant_cpu.gemm_min_rows() > 0) == rounded
+            model = _reference_model(tiny.path, tiny, quantized=rounded)
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt])).logits[0].float()
+            reference = torch.log_softmax(logits, dim=-1)
+            llm = LLM(tiny.path, device="cpu", dtype="float32", max_num_batched_tokens=256)
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert out.prompt_logprobs is not None
+            for p in range(1, len(prompt)):
+                got = out.prompt_logprobs[p]
+                assert got is not None
+                want = reference[p - 1, prompt[p]].item()
+                tolerance = 1e-2 if rounded else 1e-4
+                assert got[prompt[p]].logprob == pytest.approx(want, abs=tolerance), (path, p)
+            _assert_free(llm)
+            llm.shutdown()
+    finally:
+        quant_cpu.set_path(None)
 
 
 def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:

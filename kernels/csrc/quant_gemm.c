@@ -1,0 +1,388 @@
+/*
+ * Many-row products over GGUF block-quantized weights on AVX512-VNNI (prefill chunks, large
+ * decode batches): out = x @ W^T (+ bias), x's rows quantized to int8 blocks of 32 as for
+ * quant_legacy.c's kernels, the weights' integer values unpacked a panel of 32 weight rows at
+ * a time into a layout where one vpdpbusd multiplies 16 of them by 4 values of one row of x.
+ *
+ * quant_legacy.c's tiles take a weight row against a row of x, two blocks per vpdpbusd, and
+ * pay a scale product and a convert per pair of blocks and row: about 3 instructions per 64
+ * products, no faster than a bf16 GEMM. Here a vector holds 16 weight rows (the panel's
+ * columns of the output), 4 consecutive values each; a row of x's 4 values, broadcast, meet
+ * them in one vpdpbusd; 8 of those sum a sub-block of 32 values in int32 for 16 outputs, then
+ * one convert, one scale product and one FMA take it into the fp32 sums: 11 instructions per
+ * 512 products, and the weights' integers are read from L2 once per 4 rows of x.
+ *
+ * Every format becomes the same panel (`unpack_block`): unsigned values u (0..255) per weight,
+ * and per sub-block s of SB values (32; Q6_K's 16) a scale d_s, and for formats with a
+ * minimum a term m_s, with weight = d_s * (u - o) + m_s for the format's integer offset o
+ * (Q8_0: u = q + 128, o = 128; Q4_0: 8; Q5_0: 16; Q6_K: 32; else 0). With A_s the sum of x's
+ * int8 values over the sub-block and da its block's scale, a sub-block contributes
+ *     da * d_s * (sum u a - o * A_s) + m_s * da * A_s,
+ * the first sum in int32 (vpdpbusd: u unsigned, a signed; it starts from -o * A_s), the rest
+ * in fp32. The integer dots are those of quant_legacy.c's and quant_kquants.c's kernels
+ * (Q6_K's scales apply per 16 values, as ggml's); only the order of the fp32 sums differs.
+ *
+ * Work: panels of 32 weight rows split between OpenMP threads. A thread unpacks its panel's
+ * rows into bytes (plain loops GCC vectorizes), transposes them 16 rows by 4 values at a time
+ * into the panel (32 x K bytes, in L2), then runs every 4 rows of x over it.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ae_kernels.h"
+#include "ae_vec.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_GEMM 1
+#endif
+
+#ifdef HAVE_GEMM
+
+#define PANEL 32  /* weight rows per panel: two vectors of 16 */
+#define TILE_R 4  /* rows of x per tile */
+#define GROUP 128 /* bytes of a panel per 4 values: PANEL x 4 */
+
+/* Per format code (quant_formats.FORMATS): values and bytes per block, sub-block values,
+ * the integer offset o, whether there is a minimum term. */
+struct fmt_info {
+    int values, bytes, sub, offset, has_min;
+};
+static const struct fmt_info FMT[8] = {
+    {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
+    {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
+};
+
+static inline float f16_at(const uint8_t *p) {
+    _Float16 v;
+    memcpy(&v, p, 2);
+    return (float)v;
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of format `fmt` at b: its values' u into u (values bytes), each sub-block's d_s
+ * into sc and m_s into mn (formats with a minimum). As ggml's dequantize_row_<type> reads
+ * the block (quant_dequant.c). */
+static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
+                                       uint8_t *restrict u, float *restrict sc,
+                                       float *restrict mn) {
+    switch (fmt) {
+    case 0: /* Q8_0: d, qs[32] */
+        sc[0] = f16_at(b);
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)(b[2 + j] ^ 0x80);
+        break;
+    case 1:   /* Q4_0: d, qs[16] */
+    case 2:   /* Q4_1: d, m, qs[16] */
+    case 3:   /* Q5_0: d, qh, qs[16] */
+    case 4: { /* Q5_1: d, m, qh, qs[16]. The low nibbles are elements 0-15, the high ones
+               * 16-31; qh's bit j is element j's fifth bit. */
+        const int m = fmt == 2 || fmt == 4, h = fmt == 3 || fmt == 4;
+        sc[0] = f16_at(b);
+        if (m) mn[0] = f16_at(b + 2);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * m + 4 * h));
+        const __m128i m4 = _mm_set1_epi8(15);
+        __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                                     _mm_and_si128(raw, m4));
+        if (h) {
+            uint32_t qh;
+            memcpy(&qh, b + 2 + 2 * m, 4);
+            q = _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
+        }
+        _mm256_storeu_si256((__m256i *)u, q);
+        break;
+    }
+    case 5:   /* Q4_K: d, dmin, scales[12], qs[128] */
+    case 6: { /* Q5_K: d, dmin, scales[12], qh[32], qs[128] */
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *q = b + (fmt == 5 ? 16 : 48);
+        for (int is = 0; is < 8; is++) {
+            int s, m;
+            scale_min_k4(is, scales, &s, &m);
+            sc[is] = d * (float)s;
+            mn[is] = -dmin * (float)m;
+        }
+        for (int c = 0; c < 4; c++, q += 32) {
+            uint8_t *lo = u + 64 * c, *hi = lo + 32;
+            for (int l = 0; l < 32; l++) {
+                lo[l] = q[l] & 15;
+                hi[l] = q[l] >> 4;
+            }
+            if (fmt == 6) { /* qh[l]'s bit 2 c: lo[l]'s fifth bit; bit 2 c + 1: hi[l]'s */
+                const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+                const __m256i sixteen = _mm256_set1_epi8(16);
+                const __mmask32 hl = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << (2 * c))));
+                const __mmask32 hh =
+                    _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(2 << (2 * c))));
+                __m256i vl = _mm256_loadu_si256((const __m256i *)lo);
+                __m256i vh = _mm256_loadu_si256((const __m256i *)hi);
+                _mm256_storeu_si256((__m256i *)lo, _mm256_mask_add_epi8(vl, hl, vl, sixteen));
+                _mm256_storeu_si256((__m256i *)hi, _mm256_mask_add_epi8(vh, hh, vh, sixteen));
+            }
+        }
+        break;
+    }
+    case 7: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; sub-block t's scale is t's */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        for (int t = 0; t < 16; t++) sc[t] = d * (float)scales[t];
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
+            uint8_t *y = u + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                y[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                y[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                y[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                y[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* Weight row w (nb blocks) unpacked: its u into u (K bytes), its d_s and m_s into column
+ * `col` of the panel's sc and mn ([S][PANEL]). One function per format, so that each
+ * unpack_block loop is compiled (and vectorized) for its format. */
+#define UNPACK_ROW_FN(f)                                                                    \
+    static void unpack_row_##f(const uint8_t *restrict w, int64_t nb, uint8_t *restrict u,   \
+                               float *restrict sc, float *restrict mn, int col) {           \
+        const struct fmt_info fi = FMT[f];                                                  \
+        const int subs = fi.values / fi.sub;                                                \
+        float s[16], m[16];                                                                 \
+        for (int64_t i = 0; i < nb; i++) {                                                  \
+            unpack_block(f, w + i * fi.bytes, u + i * fi.values, s, m);                     \
+            for (int t = 0; t < subs; t++) {                                                \
+                sc[(i * subs + t) * PANEL + col] = s[t];                                    \
+                if (fi.has_min) mn[(i * subs + t) * PANEL + col] = m[t];                    \
+            }                                                                               \
+        }                                                                                   \
+    }
+UNPACK_ROW_FN(0)
+UNPACK_ROW_FN(1)
+UNPACK_ROW_FN(2)
+UNPACK_ROW_FN(3)
+UNPACK_ROW_FN(4)
+UNPACK_ROW_FN(5)
+UNPACK_ROW_FN(6)
+UNPACK_ROW_FN(7)
+
+static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
+                       int col) {
+    switch (fmt) {
+    case 0: unpack_row_0(w, nb, u, sc, mn, col); break;
+    case 1: unpack_row_1(w, nb, u, sc, mn, col); break;
+    case 2: unpack_row_2(w, nb, u, sc, mn, col); break;
+    case 3: unpack_row_3(w, nb, u, sc, mn, col); break;
+    case 4: unpack_row_4(w, nb, u, sc, mn, col); break;
+    case 5: unpack_row_5(w, nb, u, sc, mn, col); break;
+    case 6: unpack_row_6(w, nb, u, sc, mn, col); break;
+    default: unpack_row_7(w, nb, u, sc, mn, col); break;
+    }
+}
+
+/* 16 rows of u (row stride K) by 16 values from k into the panel: group g of 4 values of
+ * row i goes to bytes 4 i of dst + g * GROUP (dst: the panel's group k / 4, plus 64 for its
+ * second half of rows). A 16 x 4 transpose of dwords: lane L of z[i] holds row 4 L + i. */
+static inline void transpose_16(const uint8_t *u, int64_t K, uint8_t *dst) {
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) {
+        z[i] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(u + i * K)));
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(u + (i + 4) * K)), 1);
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(u + (i + 8) * K)), 2);
+        z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(u + (i + 12) * K)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    _mm512_store_si512((__m512i *)dst, _mm512_unpacklo_epi64(t0, t2));
+    _mm512_store_si512((__m512i *)(dst + GROUP), _mm512_unpackhi_epi64(t0, t2));
+    _mm512_store_si512((__m512i *)(dst + 2 * GROUP), _mm512_unpacklo_epi64(t1, t3));
+    _mm512_store_si512((__m512i *)(dst + 3 * GROUP), _mm512_unpackhi_epi64(t1, t3));
+}
+
+/* What the rows of x bring to a product: their int8 values and block scales, and per
+ * sub-block the start of the integer sum (-o * A_s) and, for formats with a minimum, da * A_s. */
+struct rows {
+    const int8_t *qa; /* [M][K] */
+    const float *da;  /* [M][K / 32] */
+    const int32_t *init; /* [M][S] */
+    const float *fa;  /* [M][S] */
+    int64_t K, S;
+};
+
+/* R rows of x (from row m) over the panel: res[r][0..31] = their fp32 sums. */
+static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min,
+                               const uint8_t *restrict panel, const float *restrict sc,
+                               const float *restrict mn, const struct rows *x, int64_t m,
+                               float *restrict res) {
+    const int64_t K = x->K, S = x->S, nb = K / 32;
+    const int8_t *qa = x->qa + m * K;
+    const float *da = x->da + m * nb, *fa = x->fa ? x->fa + m * S : NULL;
+    const int32_t *init = x->init + m * S;
+    __m512 acc[TILE_R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        __m512i sum[TILE_R][2];
+        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_set1_epi32(init[r * S + s]);
+        const uint8_t *p = panel + s * (SB / 4) * GROUP;
+        const int8_t *a = qa + s * SB;
+        for (int g = 0; g < SB / 4; g++) {
+            const __m512i w0 = _mm512_load_si512((const __m512i *)(p + g * GROUP));
+            const __m512i w1 = _mm512_load_si512((const __m512i *)(p + g * GROUP + 64));
+            for (int r = 0; r < R; r++) {
+                int32_t a4;
+                memcpy(&a4, a + r * K + 4 * g, 4);
+                const __m512i ab = _mm512_set1_epi32(a4);
+                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, ab);
+                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, ab);
+            }
+        }
+        const __m512 d0 = _mm512_load_ps(sc + s * PANEL), d1 = _mm512_load_ps(sc + s * PANEL + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 db = _mm512_set1_ps(da[r * nb + s * SB / 32]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, db),
+                                        acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, db),
+                                        acc[r][1]);
+        }
+        if (has_min) {
+            const __m512 m0 = _mm512_load_ps(mn + s * PANEL);
+            const __m512 m1 = _mm512_load_ps(mn + s * PANEL + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 f = _mm512_set1_ps(fa[r * S + s]);
+                acc[r][0] = _mm512_fmadd_ps(m0, f, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(m1, f, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(res + r * PANEL, acc[r][0]);
+        _mm512_storeu_ps(res + r * PANEL + 16, acc[r][1]);
+    }
+}
+
+/* One function per (rows, sub-block, minimum): the loops above fully unrolled for each. */
+#define TILE_FN(R, SB, MIN)                                                                 \
+    static __attribute__((noinline)) void tile_##R##_##SB##_##MIN(                          \
+        const uint8_t *p, const float *sc, const float *mn, const struct rows *x, int64_t m, \
+        float *res) {                                                                       \
+        tile(R, SB, MIN, p, sc, mn, x, m, res);                                             \
+    }
+#define TILE_FNS(SB, MIN) TILE_FN(1, SB, MIN) TILE_FN(2, SB, MIN) TILE_FN(3, SB, MIN) \
+    TILE_FN(4, SB, MIN)
+TILE_FNS(32, 0)
+TILE_FNS(32, 1)
+TILE_FNS(16, 0)
+
+typedef void (*tile_fn)(const uint8_t *, const float *, const float *, const struct rows *,
+                        int64_t, float *);
+static tile_fn tile_for(int R, int SB, int has_min) {
+    static const tile_fn fns[3][4] = {
+        {tile_1_32_0, tile_2_32_0, tile_3_32_0, tile_4_32_0},
+        {tile_1_32_1, tile_2_32_1, tile_3_32_1, tile_4_32_1},
+        {tile_1_16_0, tile_2_16_0, tile_3_16_0, tile_4_16_0},
+    };
+    return fns[SB == 16 ? 2 : has_min][R - 1];
+}
+
+int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                  int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                  int num_threads) {
+    if (fmt < 0 || fmt > 7) return -3;
+    const struct fmt_info fi = FMT[fmt];
+    if (K <= 0 || K % fi.values) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / fi.values, nb32 = K / 32, S = K / fi.sub, row_bytes = nb * fi.bytes;
+    /* x: int8 values, block scales, and per sub-block -o * A_s and da * A_s */
+    const size_t q_bytes = (size_t)(M * K), d_bytes = (size_t)(M * nb32) * 4;
+    const size_t s_bytes = (size_t)(M * S) * 4;
+    char *xbuf = malloc(q_bytes + d_bytes + 2 * s_bytes);
+    if (xbuf == NULL) return -1;
+    int8_t *qa = (int8_t *)xbuf;
+    float *da = (float *)(xbuf + q_bytes);
+    int32_t *init = (int32_t *)(xbuf + q_bytes + d_bytes);
+    float *fa = (float *)(xbuf + q_bytes + d_bytes + s_bytes);
+    ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, num_threads);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t s = 0; s < S; s++) {
+            const int8_t *a = qa + m * K + s * fi.sub;
+            int32_t sum = 0;
+            for (int j = 0; j < fi.sub; j++) sum += a[j];
+            init[m * S + s] = -fi.offset * sum;
+            fa[m * S + s] = da[m * nb32 + s * fi.sub / 32] * (float)sum;
+        }
+    }
+    const struct rows xr = {qa, da, init, fi.has_min ? fa : NULL, K, S};
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+    const int threads = panels < num_threads ? (int)panels : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        /* u: the panel's rows unpacked; the panel; its d_s and m_s; one tile's sums */
+        const size_t u_bytes = (size_t)(PANEL * K), p_bytes = (size_t)(K / 4 * GROUP);
+        const size_t f_bytes = (size_t)(S * PANEL) * 4;
+        char *buf = aligned_alloc(64, u_bytes + p_bytes + 2 * f_bytes + TILE_R * PANEL * 4);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
+        float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + S * PANEL;
+        float *res = mn + S * PANEL;
+        float bias_row[PANEL];
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (buf == NULL) continue;
+            const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int c = 0; c < PANEL; c++) {
+                if (c < cols) {
+                    unpack_row(fmt, (const uint8_t *)w + (n0 + c) * row_bytes, nb, u + c * K, sc,
+                               mn, c);
+                } else { /* past N: zero weights, zero scales */
+                    memset(u + c * K, 0, (size_t)K);
+                    for (int64_t s = 0; s < S; s++) sc[s * PANEL + c] = mn[s * PANEL + c] = 0.0f;
+                }
+            }
+            for (int half = 0; half < 2; half++)
+                for (int64_t k = 0; k < K; k += 16)
+                    transpose_16(u + half * 16 * K + k, K, panel + k / 4 * GROUP + 64 * half);
+            if (bias) load_f32((const char *)bias + n0 * elem_size(dt), bias_row, cols, dt);
+            for (int64_t m = 0; m < M; m += TILE_R) {
+                const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
+                tile_for(R, fi.sub, fi.has_min)(panel, sc, mn, &xr, m, res);
+                for (int r = 0; r < R; r++) {
+                    float *row = res + r * PANEL;
+                    if (bias)
+                        for (int64_t c = 0; c < cols; c++) row[c] += bias_row[c];
+                    store_f32((char *)out + ((m + r) * o_st + n0) * elem_size(dt), row, cols, dt);
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xbuf);
+    return failed ? -1 : 0;
+}
+
+#else /* no AVX512-VNNI: quant_legacy.c's and quant_kquants.c's kernels take every product */
+
+int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                  int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                  int num_threads) {
+    (void)fmt, (void)dt, (void)x, (void)x_st, (void)M, (void)w, (void)N, (void)K, (void)bias;
+    (void)out, (void)o_st, (void)num_threads;
+    return -3;
+}
+
+#endif

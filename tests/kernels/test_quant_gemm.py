@@ -1,0 +1,128 @@
+"""The many-row product over GGUF blocks on AVX512-VNNI (csrc/quant_gemm.c): every format, on
+awkward shapes (rows through the 4-row tiles' remainders, weight rows past the 32-row panels,
+one and several blocks), each dtype, with and without a bias, against the product of the same
+int8 activations and the dequantized weight in float64; and which products take it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncengine.kernels import quant_cpu
+from asyncengine.kernels.cpu_native import DTYPE_CODES, load_native, unavailable_reason
+from asyncengine.kernels.quant_cpu import QK, dequantize, linear_quant_cpu, quantize_rows_q8_torch
+from asyncengine.kernels.quant_formats import FORMATS, quant_format, random_blocks
+from asyncengine.model.quant_linear import QuantLinear
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(load_native() is None, reason=unavailable_reason()),
+]
+
+
+def _gemm_here() -> bool:
+    lib = load_native()
+    return lib is not None and "avx512_vnni" in quant_cpu.available_paths()
+
+
+vnni = pytest.mark.skipif(not _gemm_here(), reason="the panel GEMM needs AVX512-VNNI")
+
+
+@pytest.fixture(autouse=True)
+def _best_path_after() -> Iterator[None]:
+    yield
+    quant_cpu.set_path(None)
+
+
+def _gemm(
+    x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    lib = load_native()
+    assert lib is not None
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=x.dtype)
+    status = lib.quant_gemm(
+        quant_format(qtype).code, DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m,
+        qweight.data_ptr(), n, k, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+        2,
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def _exact(
+    x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product of x's int8 blocks and the dequantized weight in float64, and the sum of
+    the products' and the bias's magnitudes (what the fp32 sums' rounding scales with)."""
+    qs, d = quantize_rows_q8_torch(x.float())
+    xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
+    w = dequantize(qweight, qtype).double()
+    out, magnitude = xq @ w.T, xq.abs() @ w.abs().T
+    if bias is not None:
+        out += bias.double()
+        magnitude += bias.double().abs()
+    return out, magnitude
+
+
+@vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_products_match_the_exact_product(qtype: str, dtype: torch.dtype) -> None:
+    values = quant_format(qtype).values
+    generator = torch.Generator().manual_seed(len(qtype) * 7 + DTYPE_CODES[dtype])
+    for m, n, blocks in [(1, 33, 1), (3, 1, 2), (4, 64, 3), (6, 70, 1), (9, 31, 4), (13, 97, 2)]:
+        k = blocks * max(values, 64)
+        qweight = random_blocks(qtype, n, k, generator)
+        x = torch.randn(m, k, generator=generator).to(dtype)
+        x[0, : k // 2] = 0  # zero activation blocks: scale 0
+        bias = (torch.randn(n, generator=generator) * 3).to(dtype) if m % 2 else None
+        out = _gemm(x, qweight, qtype, bias)
+        exact, magnitude = _exact(x, qweight, qtype, bias)
+        rounding = torch.finfo(dtype).eps * exact.abs() if dtype != torch.float32 else 0.0
+        err = (out.double() - exact).abs()
+        assert torch.all(err <= 2.0**-16 * magnitude + rounding), (m, n, k, err.max())
+
+
+@vnni
+def test_many_rows_take_the_gemm_and_fewer_the_tiles() -> None:
+    """linear_quant_cpu runs the panel GEMM from gemm_min_rows() rows on the VNNI path (the
+    same numbers, up to the order of the fp32 sums), never on another path."""
+    rows = quant_cpu.gemm_min_rows()
+    assert rows > 8  # above the work pool's rows: decode steps of a few streams keep the tiles
+    generator = torch.Generator().manual_seed(3)
+    qweight = random_blocks("q4_k", 40, 512, generator)
+    for m in (rows - 1, rows, 3 * rows):
+        x = torch.randn(m, 512, generator=generator)
+        exact, magnitude = _exact(x, qweight, "q4_k", None)
+        out = linear_quant_cpu(x, qweight, "q4_k")
+        assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+        if m >= rows:
+            assert torch.equal(out, _gemm(x, qweight, "q4_k", None))
+    quant_cpu.set_path("avx2")
+    assert quant_cpu.gemm_min_rows() == 0
+
+
+@vnni
+def test_quant_linear_keeps_many_rows_on_the_int8_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the panel GEMM, many-row products never dequantize the weight; on a path without
+    it, they do from dequant_min_rows rows."""
+    generator = torch.Generator().manual_seed(5)
+    layer = QuantLinear(random_blocks("q8_0", 48, 256, generator), "q8_0", None)
+    calls: list[int] = []
+    product = QuantLinear._dequantized_product
+
+    def spy(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return product(self, x)
+
+    monkeypatch.setattr(QuantLinear, "_dequantized_product", spy)
+    x = torch.randn(64, 256, generator=generator).to(torch.bfloat16)
+    layer(x)
+    assert calls == []
+    quant_cpu.set_path("avx2")
+    layer(x)
+    assert calls == [64]
