@@ -33,6 +33,7 @@
 
 #include "ae_kernels.h"
 #include "ae_vec.h"
+#include "kquant_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -67,19 +68,9 @@ static inline float f16_at(const uint8_t *p) {
     return (float)v;
 }
 
-static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* One block of format `fmt` at b: its values' u into u (values bytes), each sub-block's d_s
  * into sc and m_s into mn (formats with a minimum). As ggml's dequantize_row_<type> reads
- * the block (quant_dequant.c). */
+ * the block (quant_dequant.c; the K-quants through kquant_blocks.h). */
 static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
                                        uint8_t *restrict u, float *restrict sc,
                                        float *restrict mn) {
@@ -108,50 +99,23 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
         _mm256_storeu_si256((__m256i *)u, q);
         break;
     }
-    case 5:   /* Q4_K: d, dmin, scales[12], qs[128] */
-    case 6: { /* Q5_K: d, dmin, scales[12], qh[32], qs[128] */
+    case 5: /* Q4_K, Q5_K: d, dmin, the 12 scale bytes, (Q5_K: qh[32],) qs[128] */
+    case 6: {
         const float d = f16_at(b), dmin = f16_at(b + 2);
-        const uint8_t *scales = b + 4, *qh = b + 16, *q = b + (fmt == 5 ? 16 : 48);
-        for (int is = 0; is < 8; is++) {
-            int s, m;
-            scale_min_k4(is, scales, &s, &m);
-            sc[is] = d * (float)s;
-            mn[is] = -dmin * (float)m;
+        uint8_t s[8], m[8];
+        k4_scales(b + 4, s, m);
+        for (int j = 0; j < 8; j++) {
+            sc[j] = d * (float)s[j];
+            mn[j] = -dmin * (float)m[j];
         }
-        for (int c = 0; c < 4; c++, q += 32) {
-            uint8_t *lo = u + 64 * c, *hi = lo + 32;
-            for (int l = 0; l < 32; l++) {
-                lo[l] = q[l] & 15;
-                hi[l] = q[l] >> 4;
-            }
-            if (fmt == 6) { /* qh[l]'s bit 2 c: lo[l]'s fifth bit; bit 2 c + 1: hi[l]'s */
-                const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-                const __m256i sixteen = _mm256_set1_epi8(16);
-                const __mmask32 hl = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << (2 * c))));
-                const __mmask32 hh =
-                    _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(2 << (2 * c))));
-                __m256i vl = _mm256_loadu_si256((const __m256i *)lo);
-                __m256i vh = _mm256_loadu_si256((const __m256i *)hi);
-                _mm256_storeu_si256((__m256i *)lo, _mm256_mask_add_epi8(vl, hl, vl, sixteen));
-                _mm256_storeu_si256((__m256i *)hi, _mm256_mask_add_epi8(vh, hh, vh, sixteen));
-            }
-        }
+        unpack_sb(fmt, b, u);
         break;
     }
-    case 7: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; sub-block t's scale is t's */
-        const uint8_t *ql = b, *qh = b + 128;
+    case 7: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; 16-value group t's scale is t's */
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = f16_at(b + 208);
         for (int t = 0; t < 16; t++) sc[t] = d * (float)scales[t];
-        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
-            uint8_t *y = u + 128 * n;
-            for (int l = 0; l < 32; l++) {
-                y[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
-                y[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
-                y[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-                y[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
-            }
-        }
+        unpack_sb(fmt, b, u);
         break;
     }
     }

@@ -68,6 +68,7 @@
 
 #include "ae_kernels.h"
 #include "ae_vec.h"
+#include "kquant_blocks.h"
 #include "linear.h"
 #include "pool.h"
 
@@ -79,7 +80,6 @@
 /* Software prefetch this far ahead of the weight loads (as quant_legacy.c). */
 #define PREFETCH_BYTES 4096
 
-enum { FMT_Q4_K = AE_QUANT_Q4_K, FMT_Q5_K = AE_QUANT_Q4_K + 1, FMT_Q6_K = AE_QUANT_Q4_K + 2 };
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
 
 static ALWAYS_INLINE int64_t sb_bytes(int fmt) {
@@ -133,16 +133,6 @@ static struct kq_rows prepare_rows(int fmt, int reorder, const int8_t *qa, const
 
 /* ---- scales ---- */
 
-/* Q4_K / Q5_K's 12 scale bytes as 8 scales and 8 mins (get_scale_min_k4), byte by byte. */
-static ALWAYS_INLINE void k4_scales(const uint8_t *s, uint8_t *restrict sc, uint8_t *restrict m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
-        m[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
-}
-
 #ifdef HAVE_AVX2
 /* The same, four bytes at a time (x86 is little-endian): sc in the low 8 bytes of the
  * result, m in the next 8. Per byte: bits 6-7 of bytes 0-3 (4-7) are the top bits of sc 4-7
@@ -167,34 +157,6 @@ static ALWAYS_INLINE float hsum8(__m256 v) {
 #endif
 
 /* ---- scalar tile ---- */
-
-/* One super-block's 256 values q (unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) in order. */
-static ALWAYS_INLINE void unpack_sb(int fmt, const uint8_t *blk, uint8_t *restrict q) {
-    if (fmt == FMT_Q6_K) {
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-            uint8_t *o = q + 128 * h;
-            for (int l = 0; l < 32; l++) {
-                o[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
-                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
-                o[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
-            }
-        }
-        return;
-    }
-    const uint8_t *qs = blk + (fmt == FMT_Q4_K ? 16 : 48), *qh = blk + 16;
-    for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 32; l++) {
-            uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
-            if (fmt == FMT_Q5_K) {
-                lo = (uint8_t)(lo | (((qh[l] >> (2 * c)) & 1) << 4));
-                hi = (uint8_t)(hi | (((qh[l] >> (2 * c + 1)) & 1) << 4));
-            }
-            q[64 * c + l] = lo;
-            q[64 * c + 32 + l] = hi;
-        }
-}
 
 /* res[r * res_st + c] = x row r times weight row c (w + c * row_bytes), r < R, c < C. */
 static ALWAYS_INLINE void tile_scalar(const int fmt, const int R, const int C, const uint8_t *w,
