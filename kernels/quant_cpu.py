@@ -53,9 +53,8 @@ __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
     "Q6_K", "Q8_0", "QK", "available_paths", "current_path", "dequantize",
     "dequantize_cpu", "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu",
-    "linear_quant_torch",
-    "native_formats",
-    "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight", "set_path",
+    "linear_quant_torch", "native_formats", "quant_gemm_cpu", "quantize_rows_q8_cpu",
+    "quantize_rows_q8_torch", "quantize_weight", "set_path",
 ]  # fmt: skip
 
 QK = 32  # values per activation block (and per legacy weight block)
@@ -258,6 +257,36 @@ def linear_quant_cpu(
     if status != 0:
         raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {fmt.values}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def quant_gemm_cpu(
+    x: torch.Tensor,  # [M, K] fp32 / bf16 / fp16, rows contiguous
+    qweight: torch.Tensor,  # uint8 [N, K / values * block bytes], contiguous
+    qtype: str,  # any of FORMATS
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [M, N], x's dtype
+    """`linear_quant_cpu`'s product on the panel GEMM (`csrc/quant_gemm.c`) whatever the rows
+    (linear_quant_cpu takes it from `gemm_min_rows()` rows): for tests and benchmarks. Raises
+    ValueError where this build or path has no panel GEMM (AVX512-VNNI)."""
+    fmt = quant_format(qtype)
+    lib = _kernels()
+    m, k = x.shape
+    n = qweight.shape[0]
+    if not x.stride(1) == 1 or not qweight.is_contiguous():
+        raise ValueError("quant_gemm_cpu: x's rows and the weight must be contiguous")
+    out = torch.empty(m, n, dtype=x.dtype)
+    status = lib.quant_gemm(
+        fmt.code, DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, qweight.data_ptr(), n, k,
+        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -3:
+        raise ValueError("this build of the native kernels has no panel GEMM (AVX512-VNNI)")
+    if status == -1:
+        raise MemoryError(f"quant_gemm_cpu: no memory for [{m}, {k}] int8 activations")
+    if status != 0:
+        raise ValueError(f"quant_gemm_cpu: K={k} is not a multiple of {fmt.values}")
+    return out
 
 
 def dequantize_cpu(

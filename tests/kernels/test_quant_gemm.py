@@ -12,7 +12,13 @@ import torch
 
 from asyncengine.kernels import quant_cpu
 from asyncengine.kernels.cpu_native import DTYPE_CODES, load_native, unavailable_reason
-from asyncengine.kernels.quant_cpu import QK, dequantize, linear_quant_cpu, quantize_rows_q8_torch
+from asyncengine.kernels.quant_cpu import (
+    QK,
+    dequantize,
+    linear_quant_cpu,
+    quant_gemm_cpu,
+    quantize_rows_q8_torch,
+)
 from asyncengine.kernels.quant_formats import FORMATS, quant_format, random_blocks
 from asyncengine.model.quant_linear import QuantLinear
 
@@ -39,18 +45,7 @@ def _best_path_after() -> Iterator[None]:
 def _gemm(
     x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    lib = load_native()
-    assert lib is not None
-    m, k = x.shape
-    n = qweight.shape[0]
-    out = torch.full((m, n), float("nan"), dtype=x.dtype)
-    status = lib.quant_gemm(
-        quant_format(qtype).code, DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m,
-        qweight.data_ptr(), n, k, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-        2,
-    )  # fmt: skip
-    assert status == 0
-    return out
+    return quant_gemm_cpu(x, qweight, qtype, bias)
 
 
 def _exact(
