@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -229,8 +230,41 @@ def linear_quant_cpu(
     matrix-vector product on the work pool, more rows as tiles that load each weight block
     once for several rows, and from `gemm_min_rows()` rows (AVX512-VNNI) as a GEMM over
     panels of the weight unpacked to bytes."""
-    fmt = quant_format(qtype)
     lib = _kernels()
+    missing = f"this build's native kernels do not run {qtype} (see native_formats())"
+    return _product(
+        lambda *args: lib.linear_quant(*args), "linear_quant_cpu", missing, x, qweight, qtype, bias
+    )
+
+
+def quant_gemm_cpu(
+    x: torch.Tensor,  # [..., K] fp32 / bf16 / fp16, as linear_quant_cpu's
+    qweight: torch.Tensor,  # uint8 [N, K / values * block bytes], contiguous
+    qtype: str,  # any of FORMATS
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:  # [..., N], x's dtype
+    """`linear_quant_cpu`'s product on the panel GEMM (`csrc/quant_gemm.c`) whatever the rows
+    (linear_quant_cpu takes it from `gemm_min_rows()` rows): for tests and benchmarks. Raises
+    ValueError where this build or path has no panel GEMM (AVX512-VNNI)."""
+    lib = _kernels()
+    missing = "this build of the native kernels has no panel GEMM (AVX512-VNNI)"
+    return _product(
+        lambda *args: lib.quant_gemm(*args), "quant_gemm_cpu", missing, x, qweight, qtype, bias
+    )
+
+
+def _product(
+    kernel: Callable[..., int],
+    name: str,
+    missing: str,  # the error where the kernel says it does not run the format (-3)
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: str,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One of the native quantized products (ae_linear_quant's arguments and returns), the
+    arguments checked first."""
+    fmt = quant_format(qtype)
     rows = as_rows(x)
     m, k = rows.shape
     n = qweight.shape[0]
@@ -245,48 +279,18 @@ def linear_quant_cpu(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
-    status = lib.linear_quant(
+    status = kernel(
         fmt.code, DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), m, qweight.data_ptr(),
         n, k, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
         torch.get_num_threads(),
     )  # fmt: skip
     if status == -1:
-        raise MemoryError(f"linear_quant_cpu: no memory for [{m}, {k}] int8 activations")
+        raise MemoryError(f"{name}: no memory for [{m}, {k}] int8 activations")
     if status == -3:
-        raise ValueError(f"this build's native kernels do not run {qtype} (see native_formats())")
+        raise ValueError(missing)
     if status != 0:
-        raise ValueError(f"linear_quant_cpu: K={k} is not a multiple of {fmt.values}")
+        raise ValueError(f"{name}: K={k} is not a multiple of {fmt.values}")
     return out.reshape(*x.shape[:-1], n)
-
-
-def quant_gemm_cpu(
-    x: torch.Tensor,  # [M, K] fp32 / bf16 / fp16, rows contiguous
-    qweight: torch.Tensor,  # uint8 [N, K / values * block bytes], contiguous
-    qtype: str,  # any of FORMATS
-    bias: torch.Tensor | None = None,  # [N], x's dtype
-) -> torch.Tensor:  # [M, N], x's dtype
-    """`linear_quant_cpu`'s product on the panel GEMM (`csrc/quant_gemm.c`) whatever the rows
-    (linear_quant_cpu takes it from `gemm_min_rows()` rows): for tests and benchmarks. Raises
-    ValueError where this build or path has no panel GEMM (AVX512-VNNI)."""
-    fmt = quant_format(qtype)
-    lib = _kernels()
-    m, k = x.shape
-    n = qweight.shape[0]
-    if not x.stride(1) == 1 or not qweight.is_contiguous():
-        raise ValueError("quant_gemm_cpu: x's rows and the weight must be contiguous")
-    out = torch.empty(m, n, dtype=x.dtype)
-    status = lib.quant_gemm(
-        fmt.code, DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, qweight.data_ptr(), n, k,
-        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), n,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status == -3:
-        raise ValueError("this build of the native kernels has no panel GEMM (AVX512-VNNI)")
-    if status == -1:
-        raise MemoryError(f"quant_gemm_cpu: no memory for [{m}, {k}] int8 activations")
-    if status != 0:
-        raise ValueError(f"quant_gemm_cpu: K={k} is not a multiple of {fmt.values}")
-    return out
 
 
 def dequantize_cpu(

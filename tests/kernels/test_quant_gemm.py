@@ -42,12 +42,6 @@ def _best_path_after() -> Iterator[None]:
     quant_cpu.set_path(None)
 
 
-def _gemm(
-    x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return quant_gemm_cpu(x, qweight, qtype, bias)
-
-
 def _exact(
     x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +69,7 @@ def test_products_match_the_exact_product(qtype: str, dtype: torch.dtype) -> Non
         x = torch.randn(m, k, generator=generator).to(dtype)
         x[0, : k // 2] = 0  # zero activation blocks: scale 0
         bias = (torch.randn(n, generator=generator) * 3).to(dtype) if m % 2 else None
-        out = _gemm(x, qweight, qtype, bias)
+        out = quant_gemm_cpu(x, qweight, qtype, bias)
         exact, magnitude = _exact(x, qweight, qtype, bias)
         rounding = torch.finfo(dtype).eps * exact.abs() if dtype != torch.float32 else 0.0
         err = (out.double() - exact).abs()
@@ -96,7 +90,7 @@ def test_many_rows_take_the_gemm_and_fewer_the_tiles() -> None:
         out = linear_quant_cpu(x, qweight, "q4_k")
         assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
         if m >= rows:
-            assert torch.equal(out, _gemm(x, qweight, "q4_k", None))
+            assert torch.equal(out, quant_gemm_cpu(x, qweight, "q4_k"))
     quant_cpu.set_path("avx2")
     assert quant_cpu.gemm_min_rows() == 0
 
