@@ -196,6 +196,9 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _int, _ptr, _i64, _i64, _i64,  # dtype code, x, its row stride, rows, K
         _ptr, _ptr, _int,  # qs (int8 [rows][K]), d (fp32 [rows][K / 32]), threads
     )),
+    "ae_quantize_rows_q8k": (None, (  # as ae_quantize_rows_q8, one scale per 256 values
+        _int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _int,
+    )),
     "ae_pool_quiesce": (_int, (_int,)),  # timeout ms -> 1 when no helper is in an item
     "ae_pool_set_strict": (_int, (_int,)),  # on -> before (jobs wait for their helpers)
     "ae_quant_formats": (_int, ()),  # bit f: format code f runs (quant_formats.FORMATS)
@@ -249,6 +252,7 @@ class NativeKernels:
     quant_paths: int
     quant_set_path: Callable[[int], int]
     quantize_rows_q8: Callable[..., None]
+    quantize_rows_q8k: Callable[..., None]
     pool_quiesce: Callable[[int], int]
     pool_set_strict: Callable[[int], int]
     # which formats ae_linear_quant runs (bit f: format code f; see quant_formats.FORMATS)
@@ -366,6 +370,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         quant_paths=int(_function(lib, "ae_quant_paths")()),  # type: ignore[func-returns-value,call-overload]
         quant_set_path=_function(lib, "ae_quant_set_path"),  # type: ignore[arg-type]
         quantize_rows_q8=_function(lib, "ae_quantize_rows_q8"),
+        quantize_rows_q8k=_function(lib, "ae_quantize_rows_q8k"),
         pool_quiesce=_function(lib, "ae_pool_quiesce"),  # type: ignore[arg-type]
         pool_set_strict=_function(lib, "ae_pool_set_strict"),  # type: ignore[arg-type]
         quant_formats=int(_function(lib, "ae_quant_formats")()),  # type: ignore[func-returns-value,call-overload]

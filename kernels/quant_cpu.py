@@ -8,11 +8,12 @@ of whole blocks (the formats: `quant_formats`), so a tensor can be read in place
 file's mapping.
 
 `linear_quant_cpu(x, qweight, qtype, bias)` is `x @ W^T + bias` as llama.cpp computes it: x's
-rows are quantized to int8 blocks of 32 with one fp32 scale each (`quantize_rows_q8_cpu`), a
-weight block against an activation block is an exact integer dot product times the two
-scales, and those are summed in fp32, rounded once to x's dtype. `linear_quant_torch` is the
-same in torch over the dequantized weight (the fallback without a C compiler, and the tests'
-reference); `quantize_input=False` gives the product of the unquantized x instead.
+rows are quantized to int8 with one fp32 scale per 32 values, per 256 for the K-quants
+(`activation_group`, `quantize_rows_q8_cpu`: llama.cpp's block_q8_0 and block_q8_K), a weight
+block against an activation block is an exact integer dot product times the two scales, and
+those are summed in fp32, rounded once to x's dtype. `linear_quant_torch` is the same in torch
+over the dequantized weight (the fallback without a C compiler, and the tests' reference);
+`quantize_input=False` gives the product of the unquantized x instead.
 
 The kernel's CPU path (`PATHS`: AVX512-VNNI, AVX2, scalar) is the best this build has, unless
 `ASYNCENGINE_QUANT_PATH` names another (read when the kernels are first used) or `set_path`
@@ -52,13 +53,14 @@ from asyncengine.kernels.quant_formats import (
 
 __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
-    "Q6_K", "Q8_0", "QK", "available_paths", "current_path", "dequantize",
-    "dequantize_cpu", "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu",
+    "Q6_K", "Q8_0", "QK", "QKK", "activation_group", "available_paths", "current_path",
+    "dequantize", "dequantize_cpu", "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu",
     "linear_quant_torch", "native_formats", "quant_gemm_cpu", "quantize_rows_q8_cpu",
     "quantize_rows_q8_torch", "quantize_weight", "set_path",
 ]  # fmt: skip
 
 QK = 32  # values per activation block (and per legacy weight block)
+QKK = 256  # values per K-quant super-block, and per activation scale of the K-quant products
 # The kernels' CPU paths, by their number in quant_legacy.c.
 PATHS = ("scalar", "avx2", "avx512_vnni")
 PATH_ENV = "ASYNCENGINE_QUANT_PATH"
@@ -120,17 +122,25 @@ def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
     return v.half().view(torch.uint8)
 
 
-def quantize_rows_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_group(qtype: str) -> int:
+    """How many activation values share one int8 scale in products over `qtype` weights:
+    256 for the K-quants (llama.cpp's block_q8_K), else 32."""
+    return QKK if qtype in K_QUANTS else QK
+
+
+def quantize_rows_q8_torch(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as the kernels quantize it: int8 qs [M, K] and fp32 scales [M, K / 32], each
-    block d = max|x| / 127, q = x * (127 / max|x|) rounded to nearest even."""
+    group of `group` values (32 or 256, see `activation_group`) with d = max|x| / 127 (the
+    same d for each block of 32 in it), q = x * (127 / max|x|) rounded to nearest even."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // QK, QK)
+    xb = x.float().reshape(m, k // group, group)
     amax = xb.abs().amax(-1, keepdim=True)
     # a tensor divided by a tensor: torch computes `127.0 / amax` as 127 * (1 / amax), which
     # rounds differently from the kernels' one division
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     qs = torch.round((xb * inv).clamp(-127, 127)).to(torch.int8)
-    return qs.reshape(m, k), (amax / 127).reshape(m, -1)
+    d = (amax / 127).expand(m, k // group, group // QK)
+    return qs.reshape(m, k), d.reshape(m, -1)
 
 
 def dequantize_rows_q8(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -151,7 +161,7 @@ def linear_quant_torch(
     the kernels quantize them (`quantize_input=False`: x as it is)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     if quantize_input:
-        rows = dequantize_rows_q8(*quantize_rows_q8_torch(rows))
+        rows = dequantize_rows_q8(*quantize_rows_q8_torch(rows, activation_group(qtype)))
     out = F.linear(rows, dequantize(qweight, qtype), None if bias is None else bias.float())
     return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
 
@@ -204,19 +214,25 @@ def _set_path(lib: NativeKernels, name: str | None) -> str:
     return PATHS[code]
 
 
-def quantize_rows_q8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_q8_cpu(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_q8_torch` by the native kernel (the same numbers, bit for bit)."""
     lib = _kernels()
     rows = as_rows(x)
     m, k = rows.shape
-    if k % QK:
-        raise ValueError(f"K={k} is not a multiple of {QK}")
+    if group not in (QK, QKK):
+        raise ValueError(f"the activations' group is {QK} or {QKK} values, not {group}")
+    if k % group:
+        raise ValueError(f"K={k} is not a multiple of {group}")
     qs = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // QK, dtype=torch.float32)
-    lib.quantize_rows_q8(
+    args = (
         DTYPE_CODES[rows.dtype], rows.data_ptr(), rows.stride(0), m, k, qs.data_ptr(),
         d.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if group == QK:
+        lib.quantize_rows_q8(*args)
+    else:
+        lib.quantize_rows_q8k(*args)
     return qs, d
 
 

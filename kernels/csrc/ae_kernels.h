@@ -156,6 +156,8 @@ int ae_quant_paths(void);
 int ae_quant_set_path(int path);
 void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
                          float *d, int num_threads);
+void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
+                          float *d, int num_threads);
 /* Format codes as quant_formats.FORMATS: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of
  * 32, quant_legacy.c), 5 Q4_K, 6 Q5_K, 7 Q6_K (super-blocks of 256, quant_kquants.c). */
 #define AE_QUANT_Q4_K 5

@@ -1,8 +1,9 @@
 /*
  * Many-row products over GGUF block-quantized weights on AVX512-VNNI (prefill chunks, large
- * decode batches): out = x @ W^T (+ bias), x's rows quantized to int8 blocks of 32 as for
- * quant_legacy.c's kernels, the weights' integer values unpacked a panel of 32 weight rows at
- * a time into a layout where one vpdpbusd multiplies 16 of them by 4 values of one row of x.
+ * decode batches): out = x @ W^T (+ bias), x's rows quantized to int8 as for quant_legacy.c's
+ * and quant_kquants.c's kernels (one scale per 32 values, per 256 for the K-quants), the
+ * weights' integer values unpacked a panel of 32 weight rows at a time into a layout where one
+ * vpdpbusd multiplies 16 of them by 4 values of one row of x.
  *
  * quant_legacy.c's tiles take a weight row against a row of x, two blocks per vpdpbusd, and
  * pay a scale product and a convert per pair of blocks and row: about 3 instructions per 64
@@ -286,7 +287,9 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
     float *da = (float *)(xbuf + q_bytes);
     int32_t *init = (int32_t *)(xbuf + q_bytes + d_bytes);
     float *fa = (float *)(xbuf + q_bytes + d_bytes + s_bytes);
-    ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, num_threads);
+    /* the K-quants' activations as quant_kquants.c's: one scale per 256 values */
+    if (fi.values == 256) ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da, num_threads);
+    else ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, num_threads);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t s = 0; s < S; s++) {
             const int8_t *a = qa + m * K + s * fi.sub;

@@ -1,8 +1,9 @@
 /*
  * Linear layers over GGUF's K-quant weights, Q4_K, Q5_K and Q6_K, read as a GGUF file stores
- * them: out = x @ W^T (+ bias), with x's rows quantized to int8 blocks of 32 on the way in
- * (ae_quantize_rows_q8, as quant_legacy.c: the same activations as its products and as the
- * torch reference). Reached through ae_linear_quant (quant_legacy.c), formats 5, 6 and 7.
+ * them: out = x @ W^T (+ bias), with x's rows quantized to int8 on the way in with one fp32
+ * scale per 256 values, one per super-block (ae_quantize_rows_q8k, llama.cpp's block_q8_K: the
+ * same activations as quant_gemm.c's K-quant products and as the torch reference). Reached
+ * through ae_linear_quant (quant_legacy.c), formats 5, 6 and 7.
  *
  * Weights: W [N][K] is N rows of K / 256 super-blocks, row-major, nothing between rows (ggml's
  * block_q4_K, block_q5_K, block_q6_K; little-endian, fp16 scales):
@@ -22,24 +23,26 @@
  *       l + 96: ql[l + 32] high       | (qh[l] bits 6-7) << 4
  *     and w = d * sc[i / 16] * (q - 32), q in 0..63.
  *
- * The math. A super-block is 8 activation blocks of 32 (int8 a, fp32 scale da). Q4_K / Q5_K
- * sub-block j lines up with activation block j: it adds da_j * (d * sc_j * sum(q a) -
- * dmin * m_j * sum(a)); the second half is dmin * m_j * sa_j with sa_j = da_j * sum(a), made
- * once per call for every block of x. Q6_K's activation block j covers its 16-value groups 2j
- * and 2j + 1: the paths whose byte products take unsigned weights (vpmaddubsw, vpdpbusd)
- * multiply q as it is and subtract 32 * sum(a) per group afterwards, in fp32, from per-call
- * sums sa16_g = 32 * da_(g/2) * sum of group g's a. The integer dots are exact on every path:
- * the paths differ only in the order (and grouping) of the fp32 sums.
+ * The math. A super-block's activations are 256 int8 a with one scale da, kept as 8 blocks
+ * of 32 with equal scales (da [M][K / 32], what the AVX2 and scalar tiles read per block). Q4_K
+ * / Q5_K sub-block j lines up with activation block j: it adds da * (d * sc_j * sum(q a) -
+ * dmin * m_j * sum(a)); the second half is dmin * m_j * sa_j with sa_j = da * sum(a) (bs_j,
+ * the int16 sum(a), for the VNNI tile), made once per call for every block of x. Q6_K's
+ * activation block j covers its 16-value groups 2j and 2j + 1: the paths whose byte products
+ * take unsigned weights (vpmaddubsw) multiply q as it is and subtract 32 * sum(a) per group
+ * afterwards, from per-call sums (sa16_g = 32 * da * sum of group g's a, in fp32; the VNNI
+ * tile, bs_g in int16). The integer dots are exact on every path: the paths differ only in
+ * the order (and grouping) of the fp32 sums.
  *
  * Paths (the one ae_quant_set_path says, as quant_legacy.c's products):
- *   AVX512-VNNI: a super-block's 256 values as 4 zmm of unsigned bytes, one vpdpbusd each
- *     against 64 activation bytes; each lane's int32 sum (4 products) converted and multiplied
- *     by its 32-value block's (Q6_K: 16-value group's) d * sc * da, spread over the lanes by a
- *     permute. Q4_K / Q5_K hold sub-blocks 2c and 2c + 2 in the low and high nibbles' zmm of
- *     one 64-byte load (chunks c, c + 1), so the activations are laid out per call in that
- *     order (sub-blocks 0 2 1 3 4 6 5 7); Q6_K's unpacking yields values in order. Q5_K's fifth
- *     bits are a byte-mask test of qh against each sub-block's bit and a masked add of 16.
- *     Needs AVX512BW as well (always there beside VNNI); without it, the AVX2 path runs.
+ *   AVX512-VNNI: a super-block's 256 values as 4 zmm of unsigned bytes; per zmm one vpmaddubsw
+ *     against 64 activation bytes and one vpdpwssd by the pairs' int16 scales into one int32
+ *     vector per super-block, converted and scaled by d * da once (see tile_vnni). Q4_K / Q5_K
+ *     hold sub-blocks 2c and 2c + 2 in the low and high nibbles' zmm of one 64-byte load
+ *     (chunks c, c + 1), so the activations are laid out per call in that order (sub-blocks
+ *     0 2 1 3 4 6 5 7); Q6_K's unpacking yields values in order. Q5_K's fifth bits are a
+ *     byte-mask test of qh against each sub-block's bit and a masked add of 16. Needs
+ *     AVX512BW as well (always there beside VNNI); without it, the AVX2 path runs.
  *   AVX2: one ymm (32 values) at a time: vpmaddubsw (unsigned q by signed a, pairs at most
  *     2 * 63 * 127: no saturation), vpmaddwd by the integer scales (Q6_K: the two groups'
  *     scales in the two halves), converted and scaled by d * da in one FMA.
@@ -97,27 +100,30 @@ static ALWAYS_INLINE float f16_at(const uint8_t *p) {
 /*
  * What the tiles read of x's quantized rows: a [M][K] the int8 values (on the VNNI path for
  * Q4_K / Q5_K, each super-block's 32-value blocks in the order 0 2 1 3 4 6 5 7; else as they
- * are), da [M][K / 32] their scales, sa [M][ns] the per-call sums (see the top: sa_j for
- * Q4_K / Q5_K, ns = K / 32; sa16_g for Q6_K, ns = K / 16).
+ * are), da [M][K / 32] their scales (8 equal ones per super-block), sa [M][ns] the per-call
+ * sums (see the top: sa_j for Q4_K / Q5_K, ns = K / 32; sa16_g for Q6_K, ns = K / 16) and bs
+ * [M][ns] the integer sums of a they scale.
  */
 struct kq_rows {
     const int8_t *a;
     const float *da;
     const float *sa;
+    const int16_t *bs;
     int64_t K, nb, ns;
 };
 
-/* x's quantized rows qa, da (M rows of K) as struct kq_rows for format fmt in buf (sa: ns
- * floats per row; a: M * K bytes where `reorder`, else qa itself). */
+/* x's quantized rows qa, da (M rows of K) as struct kq_rows for format fmt in buf (sa, bs: ns
+ * floats and ns int16 per row; a: M * K bytes where `reorder`, else qa itself). */
 static struct kq_rows prepare_rows(int fmt, int reorder, const int8_t *qa, const float *da,
-                                   int64_t M, int64_t K, float *sa, int8_t *a) {
+                                   int64_t M, int64_t K, float *sa, int16_t *bs, int8_t *a) {
     const int64_t nb = K / QK, ns = fmt == FMT_Q6_K ? 2 * nb : nb;
     for (int64_t m = 0; m < M; m++) {
         const int8_t *q = qa + m * K;
         for (int64_t g = 0; g < ns; g++) {
             const int n = fmt == FMT_Q6_K ? 16 : 32;
-            int32_t s = 0;
+            int32_t s = 0; /* |s| <= 32 * 127: an int16 */
             for (int i = 0; i < n; i++) s += q[g * n + i];
+            bs[m * ns + g] = (int16_t)s;
             sa[m * ns + g] = fmt == FMT_Q6_K ? 32.0f * (da[m * nb + g / 2] * (float)s)
                                              : da[m * nb + g] * (float)s;
         }
@@ -128,7 +134,7 @@ static struct kq_rows prepare_rows(int fmt, int reorder, const int8_t *qa, const
                     memcpy(a + m * K + b * QKK + s * QK, q + b * QKK + order[s] * QK, QK);
         }
     }
-    return (struct kq_rows){reorder ? a : qa, da, sa, K, nb, ns};
+    return (struct kq_rows){reorder ? a : qa, da, sa, bs, K, nb, ns};
 }
 
 /* ---- scales ---- */
@@ -301,19 +307,6 @@ static ALWAYS_INLINE void tile_avx2(const int fmt, const int R, const int C, con
 /* ---- AVX512-VNNI tile ---- */
 
 #ifdef HAVE_VNNI
-/* Lanes of zmm k (k < 4) and the 32-value block (of 8, Q4_K / Q5_K) or 16-value group (of 16,
- * Q6_K) each takes its scale from. Q4_K / Q5_K: zmm k holds sub-blocks (0, 2), (1, 3), (4, 6),
- * (5, 7), 8 lanes each; Q6_K: values 64k..64k+63, groups 4k..4k+3, 4 lanes each. */
-static ALWAYS_INLINE __m512i scale_lanes(const int fmt, const int k) {
-    if (fmt == FMT_Q6_K) {
-        const int g = 4 * k;
-        return _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
-                                 g + 2, g + 3, g + 3, g + 3, g + 3);
-    }
-    const int j0 = (k / 2) * 4 + k % 2, j1 = j0 + 2;
-    return _mm512_setr_epi32(j0, j0, j0, j0, j0, j0, j0, j0, j1, j1, j1, j1, j1, j1, j1, j1);
-}
-
 /* A 32-byte qh as both halves of a zmm. */
 static ALWAYS_INLINE __m512i load_qh(const uint8_t *p) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
@@ -362,15 +355,39 @@ static ALWAYS_INLINE void unpack_vnni(const int fmt, const uint8_t *blk, __m512i
     }
 }
 
+/* Which of the 8 (Q4_K / Q5_K: sub-blocks) or 16 (Q6_K: groups of 16) int16 scales each
+ * 16-bit lane of zmm k's pair sums takes (see unpack_vnni: Q4_K / Q5_K's zmm k holds
+ * sub-blocks j0 in bytes 0-31 and j0 + 2 in 32-63; Q6_K's, values 64k..64k+63 in order). */
+static ALWAYS_INLINE __m512i scale_words(const int fmt, const int k) {
+    int16_t idx[32];
+    for (int w = 0; w < 32; w++) {
+        const int j0 = (k / 2) * 4 + k % 2;
+        idx[w] = (int16_t)(fmt == FMT_Q6_K ? 4 * k + w / 8 : w < 16 ? j0 : j0 + 2);
+    }
+    return _mm512_loadu_si512(idx); /* a constant once inlined and unrolled */
+}
+
+/*
+ * R rows of x against C weight rows on AVX512-VNNI, x quantized with one scale per super-block
+ * (ae_quantize_rows_q8k). Per super-block, weight row and row of x: vpmaddubsw of the unsigned
+ * q by the activations into int16 pairs (at most 2 * 63 * 127: no saturation), vpdpwssd of
+ * those by the pairs' int16 scales (sc, one permute per zmm per weight row) into int32 lanes,
+ * so that the super-block's sum of sc * q * a is one integer vector; one conversion and one
+ * FMA by d * da. The constant parts are integers too: Q4_K / Q5_K's sum of m_j times the
+ * sub-block sums of a (vpmaddwd, its own fp32 sums by dmin * da), Q6_K's 32 * sum of sc_g
+ * times the group sums of a (subtracted from the integer vector before the conversion).
+ */
 static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, const uint8_t *w,
                                     int64_t row_bytes, int64_t nsb, const struct kq_rows *x,
                                     float *res, int64_t res_st) {
     const int64_t bb = sb_bytes(fmt);
     __m512 acc[MAX_R][MAX_C];
+    __m128 accm[MAX_R][MAX_C]; /* Q4_K / Q5_K: dmin * da * the m terms */
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    /* Q6_K: the 8 activation scales of a super-block as 16, one per group */
-    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        for (int c = 0; c < C; c++) {
+            acc[r][c] = _mm512_setzero_ps();
+            accm[r][c] = _mm_setzero_ps();
+        }
     for (int64_t b = 0; b < nsb; b++) {
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + b * bb;
@@ -378,53 +395,53 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
             _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
             if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
-            __m512i q[4];
+            __m512i q[4], sc[4], s16;
+            __m128i mins = _mm_setzero_si128();
+            float d, dmin = 0.0f;
             unpack_vnni(fmt, blk, q);
-            /* per block (group): d * sc; and what the sa sums are scaled by */
-            __m512 dsc, off;
             if (fmt == FMT_Q6_K) {
-                const __m512 sc = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
-                dsc = off = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk + 208)), sc);
+                s16 = _mm512_castsi256_si512(
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+                d = f16_at(blk + 208);
             } else {
                 const __m128i s = k4_scales_x86(blk + 4);
-                dsc = _mm512_castps256_ps512(_mm256_mul_ps(
-                    _mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s))));
-                off = _mm512_zextps256_ps512(
-                    _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8)))));
+                s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s));
+                mins = _mm_cvtepu8_epi16(_mm_srli_si128(s, 8));
+                d = f16_at(blk), dmin = f16_at(blk + 2);
             }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                sc[k] = _mm512_permutexvar_epi16(scale_words(fmt, k), s16);
             for (int r = 0; r < R; r++) {
                 const int8_t *a = x->a + r * x->K + b * QKK;
-                const float *da = x->da + r * x->nb + b * 8;
-                const float *sa = x->sa + r * x->ns + b * (fmt == FMT_Q6_K ? 16 : 8);
-                __m512 s, sums;
-                if (fmt == FMT_Q6_K) {
-                    s = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(
-                                               pairs, _mm512_castps256_ps512(_mm256_loadu_ps(da))));
-                    sums = _mm512_loadu_ps(sa);
-                } else {
-                    s = _mm512_castps256_ps512(
-                        _mm256_mul_ps(_mm512_castps512_ps256(dsc), _mm256_loadu_ps(da)));
-                    sums = _mm512_zextps256_ps512(_mm256_loadu_ps(sa));
-                }
-                /* two short chains (zmm 0, 2 and 1, 3), then one add into the tile's sum */
-                __m512 t[2];
+                const float da = x->da[r * x->nb + b * 8];
+                const int16_t *bs = x->bs + r * x->ns + b * (fmt == FMT_Q6_K ? 16 : 8);
+                __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 4
-                for (int k = 0; k < 4; k++) {
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
-                                                            _mm512_loadu_si512(a + 64 * k));
-                    const __m512 lane = _mm512_permutexvar_ps(scale_lanes(fmt, k), s);
-                    const __m512 f = _mm512_cvtepi32_ps(dot);
-                    t[k % 2] = k < 2 ? _mm512_mul_ps(f, lane) : _mm512_fmadd_ps(f, lane, t[k % 2]);
+                for (int k = 0; k < 4; k++)
+                    isum = _mm512_dpwssd_epi32(
+                        isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(a + 64 * k)), sc[k]);
+                if (fmt == FMT_Q6_K) {
+                    const __m256i corr = _mm256_madd_epi16(
+                        _mm512_castsi512_si256(s16), _mm256_loadu_si256((const __m256i *)bs));
+                    isum = _mm512_sub_epi32(isum,
+                                            _mm512_zextsi256_si512(_mm256_slli_epi32(corr, 5)));
+                } else {
+                    const __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)bs));
+                    accm[r][c] =
+                        _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(dmin * da), accm[r][c]);
                 }
-                t[0] = _mm512_fnmadd_ps(off, sums, t[0]);
-                acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_add_ps(t[0], t[1]));
+                acc[r][c] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * da), acc[r][c]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) res[r * res_st + c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < C; c++) {
+            __m128 m = _mm_add_ps(accm[r][c], _mm_movehl_ps(accm[r][c], accm[r][c]));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            res[r * res_st + c] = _mm512_reduce_add_ps(acc[r][c]) - _mm_cvtss_f32(m);
+        }
 }
 #endif
 
@@ -506,7 +523,7 @@ static ALWAYS_INLINE void item_rows(const struct kquant_job *j, const int fmt, c
     for (int64_t m = 0; m < j->M; m += MAX_R) {
         const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
         const struct kq_rows x = {j->x.a + m * K, j->x.da + m * j->x.nb, j->x.sa + m * j->x.ns,
-                                  K, j->x.nb, j->x.ns};
+                                  j->x.bs + m * j->x.ns, K, j->x.nb, j->x.ns};
         int64_t n = n0;
         for (; n + cmax <= n1; n += cmax)
             tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nsb, &x,
@@ -564,7 +581,7 @@ int ae_linear_kquant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, co
     /* the rows where the item's threads read them: the pool's buffer when the caller holds
      * the pool (a late helper may read it after this call), else fresh memory */
     const size_t q_bytes = (size_t)(M * K), d_bytes = (size_t)(M * nb) * sizeof(float);
-    const size_t s_bytes = (size_t)(M * ns) * sizeof(float);
+    const size_t s_bytes = (size_t)(M * ns) * (sizeof(float) + sizeof(int16_t));
     const size_t bytes = q_bytes * (reorder ? 2 : 1) + d_bytes + s_bytes;
     const int pooled = ae_linear_use_pool(M, num_threads);
     char *buf = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
@@ -572,11 +589,12 @@ int ae_linear_kquant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, co
         if (pooled) ae_pool_release();
         return -1;
     }
-    /* floats first (aligned), then the bytes */
+    /* floats first (aligned), then the int16 sums, then the bytes */
     float *da = (float *)buf, *sa = da + M * nb;
-    int8_t *qa = (int8_t *)(sa + M * ns), *reordered = qa + q_bytes;
-    ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, pooled ? 1 : num_threads);
-    const struct kq_rows rows = prepare_rows(fmt, reorder, qa, da, M, K, sa, reordered);
+    int16_t *bs = (int16_t *)(sa + M * ns);
+    int8_t *qa = (int8_t *)(bs + M * ns), *reordered = qa + q_bytes;
+    ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da, pooled ? 1 : num_threads);
+    const struct kq_rows rows = prepare_rows(fmt, reorder, qa, da, M, K, sa, bs, reordered);
     int64_t per_item = ROWS_PER_ITEM;
     while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
     const struct kquant_job job = {w, rows, bias, out, M, N, o_st, per_item, fmt, path, dt};

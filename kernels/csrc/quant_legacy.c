@@ -139,67 +139,73 @@ static ALWAYS_INLINE float f16_at(const uint8_t *p) {
 
 /* ---- activations ---- */
 
-/* One row of K values (dtype dt) as K / 32 int8 blocks (qs) and their fp32 scales (d). */
-static void quantize_row(int dt, const void *x, int64_t K, int8_t *restrict qs,
-                         float *restrict d) {
-    float buf[QK];
-    for (int64_t b = 0; b < K / QK; b++) {
-        load_f32((const char *)x + b * QK * elem_size(dt), buf, QK, dt);
+/* The largest |v| of n values (a multiple of 32; NaNs skipped, as fmaxf skips them). */
+static ALWAYS_INLINE float abs_max(const float *v, int n) {
 #ifdef HAVE_VNNI
-        { /* the same operations 16 lanes at a time: the same bits (max_ps and min_ps return
-           * their second operand where one is a NaN, as fmaxf and fminf return the number) */
-            const __m512 sign = _mm512_set1_ps(-0.0f);
-            const __m512 v0 = _mm512_loadu_ps(buf), v1 = _mm512_loadu_ps(buf + 16);
-            __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_setzero_ps());
-            m = _mm512_max_ps(_mm512_andnot_ps(sign, v1), m);
-            const float amax = _mm512_reduce_max_ps(m);
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            d[b] = amax / 127.0f;
-            const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-            const __m512 vid = _mm512_set1_ps(id);
-            const __m512 c0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, vid), lo), hi);
-            const __m512 c1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, vid), lo), hi);
-            /* round to nearest even (the default mode, as nearbyintf) */
-            _mm_storeu_si128((__m128i *)(qs + b * QK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c0)));
-            _mm_storeu_si128((__m128i *)(qs + b * QK + 16),
-                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c1)));
-            continue;
-        }
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 m = _mm512_setzero_ps();
+    /* max_ps returns its second operand where one is a NaN: m, as fmaxf returns the number */
+    for (int i = 0; i < n; i += 16)
+        m = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(v + i)), m);
+    return _mm512_reduce_max_ps(m);
 #elif defined(HAVE_AVX2)
-        { /* the same, 8 lanes at a time */
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 v[4], m = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(buf + 8 * i);
-                m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
-            }
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            d[b] = amax / 127.0f;
-            const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-            __m256i q[4];
-            for (int i = 0; i < 4; i++) /* round to nearest even, as nearbyintf */
-                q[i] = _mm256_cvtps_epi32(_mm256_min_ps(
-                    _mm256_max_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), lo), hi));
-            /* the packs interleave 128-bit lanes: 4-value groups 0, 2, 4, 6, 1, 3, 5, 7 */
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
-                                                      _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256(
-                (__m256i *)(qs + b * QK),
-                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-            continue;
-        }
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(v[i]));
+    return amax;
 #endif
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(buf[i]));
+}
+
+/* 32 values v as int8 q = v * id clamped to [-127, 127] and rounded to nearest even. */
+static ALWAYS_INLINE void quantize_32(const float *v, float id, int8_t *restrict q) {
+#ifdef HAVE_VNNI
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 vid = _mm512_set1_ps(id);
+    for (int h = 0; h < 2; h++) { /* the default rounding mode: to nearest even */
+        const __m512 c =
+            _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h), vid), lo), hi);
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+#elif defined(HAVE_AVX2)
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i r[4];
+    for (int i = 0; i < 4; i++) /* round to nearest even, as nearbyintf */
+        r[i] = _mm256_cvtps_epi32(_mm256_min_ps(
+            _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), _mm256_set1_ps(id)), lo), hi));
+    /* the packs interleave 128-bit lanes: 4-value groups 0, 2, 4, 6, 1, 3, 5, 7 */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                              _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int i = 0; i < QK; i++) {
+        /* clamped: no undefined conversion of a NaN or infinity */
+        const float c = fminf(fmaxf(v[i] * id, -127.0f), 127.0f);
+        q[i] = (int8_t)nearbyintf(c);
+    }
+#endif
+}
+
+/* One row of K values (dtype dt) as int8 (qs) in groups of `group` values (32 or 256) with one
+ * fp32 scale each, written once per block of 32 (d: K / 32 of them, `group` / 32 equal ones in
+ * a row). The SIMD branches do the same operations in lanes: the same bits. */
+static void quantize_row(int dt, const void *x, int64_t K, int group, int8_t *restrict qs,
+                         float *restrict d) {
+    float buf[256];
+    for (int64_t g = 0; g < K / group; g++) {
+        load_f32((const char *)x + g * group * elem_size(dt), buf, group, dt);
+        const float amax = abs_max(buf, group);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
-        for (int i = 0; i < QK; i++) {
-            /* clamped: no undefined conversion of a NaN or infinity */
-            const float v = fminf(fmaxf(buf[i] * id, -127.0f), 127.0f);
-            qs[b * QK + i] = (int8_t)nearbyintf(v);
+        for (int b = 0; b < group / QK; b++) {
+            d[g * (group / QK) + b] = amax / 127.0f;
+            quantize_32(buf + b * QK, id, qs + g * group + b * QK);
         }
     }
 }
@@ -214,7 +220,21 @@ void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t
     const int team = M < num_threads ? (int)M : num_threads;
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, qs + m * K,
+        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, QK, qs + m * K,
+                     d + m * (K / QK));
+}
+
+/*
+ * The same with one scale per 256 values (K a multiple of 256), as llama.cpp's block_q8_K: the
+ * activations of the K-quant products (quant_kquants.c, quant_gemm.c). d is still one float per
+ * block of 32 (eight equal ones per 256 values), so that code reading blocks of 32 reads these.
+ */
+void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
+                          float *d, int num_threads) {
+    const int team = M < num_threads ? (int)M : num_threads;
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, 256, qs + m * K,
                      d + m * (K / QK));
 }
 

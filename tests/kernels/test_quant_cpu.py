@@ -18,8 +18,11 @@ from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.quant_cpu import (
     LEGACY,
     Q4_0,
+    Q4_K,
     Q8_0,
     QK,
+    QKK,
+    activation_group,
     dequantize,
     dequantize_rows_q8,
     linear_quant_cpu,
@@ -73,19 +76,33 @@ def test_q4_0_low_nibbles_are_the_first_half_of_a_block() -> None:
 
 
 @native
+@pytest.mark.parametrize("group", [QK, QKK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_activation_quantization_is_the_torch_one(dtype: torch.dtype) -> None:
+def test_native_activation_quantization_is_the_torch_one(dtype: torch.dtype, group: int) -> None:
     torch.manual_seed(1)
-    x = (torch.randn(5, 160) * torch.rand(5, 160) * 4).to(dtype)
-    x[1, 32:64] = 0  # a zero block
-    x[2, 7] = 1e4  # an outlier that flattens its block
-    qs, d = quantize_rows_q8_cpu(x)
-    ref_qs, ref_d = quantize_rows_q8_torch(x)
+    x = (torch.randn(5, 768) * torch.rand(5, 768) * 4).to(dtype)
+    x[1, 256:512] = 0  # a zero block (and super-block)
+    x[2, 7] = 1e4  # an outlier that flattens its block (super-block)
+    qs, d = quantize_rows_q8_cpu(x, group)
+    ref_qs, ref_d = quantize_rows_q8_torch(x, group)
     assert torch.equal(qs, ref_qs) and torch.equal(d, ref_d)
-    assert int(qs.abs().max()) == 127 and torch.all(d[1, 1] == 0)
-    # each value within half a step of its block's scale
+    assert d.shape == (5, 768 // QK) and int(qs.abs().max()) == 127
+    assert torch.all(d[1, 8:16] == 0)
+    # one scale per group, the same in each of its blocks of 32
+    assert torch.equal(d, d[:, :: group // QK].repeat_interleave(group // QK, dim=1))
+    assert torch.all(qs[2, 8:group].abs() <= 1)  # the outlier flattened the whole group
+    # each value within half a step of its group's scale
     err = (dequantize_rows_q8(qs, d) - x.float()).abs()
     assert torch.all(err <= d.repeat_interleave(QK, dim=1) * 0.5001)
+
+
+@native
+def test_activation_groups_are_checked() -> None:
+    with pytest.raises(ValueError, match="32 or 256"):
+        quantize_rows_q8_cpu(torch.randn(1, 256), 64)
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        quantize_rows_q8_cpu(torch.randn(1, 288), QKK)
+    assert activation_group(Q8_0) == QK and activation_group(Q4_K) == QKK
 
 
 def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None):

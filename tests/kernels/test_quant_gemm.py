@@ -14,6 +14,7 @@ from asyncengine.kernels import quant_cpu
 from asyncengine.kernels.cpu_native import DTYPE_CODES, load_native, unavailable_reason
 from asyncengine.kernels.quant_cpu import (
     QK,
+    activation_group,
     dequantize,
     linear_quant_cpu,
     quant_gemm_cpu,
@@ -47,7 +48,7 @@ def _exact(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The product of x's int8 blocks and the dequantized weight in float64, and the sum of
     the products' and the bias's magnitudes (what the fp32 sums' rounding scales with)."""
-    qs, d = quantize_rows_q8_torch(x.float())
+    qs, d = quantize_rows_q8_torch(x.float(), activation_group(qtype))
     xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
     w = dequantize(qweight, qtype).double()
     out, magnitude = xq @ w.T, xq.abs() @ w.abs().T

@@ -20,6 +20,7 @@ from asyncengine.kernels.quant_cpu import (
     Q5_K,
     Q6_K,
     QK,
+    QKK,
     dequantize,
     linear_quant_cpu,
     linear_quant_torch,
@@ -58,7 +59,7 @@ def _offsets(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
 def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None):
     """The kernel's product in float64 (activations quantized as it does), and the sum of the
     magnitudes of the terms it adds (each weight's q part and its constant part apart)."""
-    qs, d = quantize_rows_q8_torch(x.float())
+    qs, d = quantize_rows_q8_torch(x.float(), QKK)  # one scale per super-block
     xq = (qs.double().reshape(len(x), -1, QK) * d.double().unsqueeze(-1)).reshape(x.shape)
     w = dequantize(qweight, qtype).double()
     out = xq @ w.T

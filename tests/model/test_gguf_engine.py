@@ -102,7 +102,7 @@ def _reference_model(
     """The transformers model `_reference` runs (see there)."""
     import transformers
 
-    from asyncengine.kernels.quant_cpu import dequantize_rows_q8, quantize_rows_q8_torch
+    from asyncengine.kernels.quant_cpu import QK, QKK, dequantize_rows_q8, quantize_rows_q8_torch
 
     model_file = read_gguf(path)
     hf = dict(model_file.hf_config)
@@ -119,14 +119,22 @@ def _reference_model(
         rotary.inv_freq = rotary.inv_freq / torch.from_numpy(freq_factors)
     if quantized:
 
-        def round_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
-            x = args[0]
-            rows = x.reshape(-1, x.shape[-1])
-            return (dequantize_rows_q8(*quantize_rows_q8_torch(rows)).view(x.shape),)
+        def round_input(group: int) -> Any:
+            def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
+                x = args[0]
+                rows = x.reshape(-1, x.shape[-1])
+                return (dequantize_rows_q8(*quantize_rows_q8_torch(rows, group)).view(x.shape),)
 
-        for module in model.modules():
+            return hook
+
+        for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(round_input)
+                # the K-quants' activations share a scale per 256 values, the others' per 32
+                ggml_type = tiny.types.get(f"{name}.weight")
+                if ggml_type is None:  # a tied lm_head: the embedding's type
+                    ggml_type = tiny.types.get("model.embed_tokens.weight")
+                kquant = ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+                module.register_forward_pre_hook(round_input(QKK if kquant else QK))
     return model
 
 
