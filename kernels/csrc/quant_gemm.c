@@ -192,12 +192,15 @@ struct rows {
 };
 
 /* R rows of x (from row m) over the panel's values k0 .. k0 + kc: res[r][0..31] (row stride
- * PANEL) = their fp32 sums, added to what res holds unless `first`. */
-static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min,
+ * PANEL) = their fp32 sums, added to what res holds unless `first`. With KQ (the K-quants: one
+ * activation scale per 256 values), a super-block's sub-blocks are summed times d_s first and
+ * multiplied by da once, at its end: one product fewer per sub-block. */
+static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, const int KQ,
                                const uint8_t *restrict panel, const float *restrict sc,
                                const float *restrict mn, const struct rows *x, int64_t m,
                                int64_t k0, int64_t kc, int first, float *restrict res) {
     const int64_t K = x->K, S = x->S, nb = K / 32, s0 = k0 / SB;
+    const int per_da = KQ ? 256 / SB : 1; /* sub-blocks under one activation scale */
     const int8_t *qa = x->qa + m * K + k0;
     const float *da = x->da + m * nb + k0 / 32, *fa = x->fa ? x->fa + m * S + s0 : NULL;
     const int32_t *init = x->init + m * S + s0;
@@ -206,39 +209,55 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min,
         acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(res + r * PANEL);
         acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(res + r * PANEL + 16);
     }
-    for (int64_t s = 0; s < kc / SB; s++) {
-        __m512i sum[TILE_R][2];
-        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_set1_epi32(init[r * S + s]);
-        const uint8_t *p = panel + s * (SB / 4) * GROUP;
-        const int8_t *a = qa + s * SB;
-        for (int g = 0; g < SB / 4; g++) {
-            const __m512i w0 = _mm512_load_si512((const __m512i *)(p + g * GROUP));
-            const __m512i w1 = _mm512_load_si512((const __m512i *)(p + g * GROUP + 64));
+    for (int64_t sd = 0; sd < kc / SB; sd += per_da) {
+        __m512 part[TILE_R][2]; /* KQ: the super-block's sum of d_s * the integer sums */
+        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        for (int64_t s = sd; s < sd + per_da; s++) {
+            __m512i sum[TILE_R][2];
+            for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_set1_epi32(init[r * S + s]);
+            const uint8_t *p = panel + s * (SB / 4) * GROUP;
+            const int8_t *a = qa + s * SB;
+            for (int g = 0; g < SB / 4; g++) {
+                const __m512i w0 = _mm512_load_si512((const __m512i *)(p + g * GROUP));
+                const __m512i w1 = _mm512_load_si512((const __m512i *)(p + g * GROUP + 64));
+                for (int r = 0; r < R; r++) {
+                    int32_t a4;
+                    memcpy(&a4, a + r * K + 4 * g, 4);
+                    const __m512i ab = _mm512_set1_epi32(a4);
+                    sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, ab);
+                    sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, ab);
+                }
+            }
+            const __m512 d0 = _mm512_load_ps(sc + s * PANEL);
+            const __m512 d1 = _mm512_load_ps(sc + s * PANEL + 16);
             for (int r = 0; r < R; r++) {
-                int32_t a4;
-                memcpy(&a4, a + r * K + 4 * g, 4);
-                const __m512i ab = _mm512_set1_epi32(a4);
-                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, ab);
-                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, ab);
+                if (KQ) {
+                    part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), d0, part[r][0]);
+                    part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), d1, part[r][1]);
+                    continue;
+                }
+                const __m512 db = _mm512_set1_ps(da[r * nb + s * SB / 32]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, db),
+                                            acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, db),
+                                            acc[r][1]);
+            }
+            if (has_min) {
+                const __m512 m0 = _mm512_load_ps(mn + s * PANEL);
+                const __m512 m1 = _mm512_load_ps(mn + s * PANEL + 16);
+                for (int r = 0; r < R; r++) {
+                    const __m512 f = _mm512_set1_ps(fa[r * S + s]);
+                    acc[r][0] = _mm512_fmadd_ps(m0, f, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(m1, f, acc[r][1]);
+                }
             }
         }
-        const __m512 d0 = _mm512_load_ps(sc + s * PANEL), d1 = _mm512_load_ps(sc + s * PANEL + 16);
-        for (int r = 0; r < R; r++) {
-            const __m512 db = _mm512_set1_ps(da[r * nb + s * SB / 32]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, db),
-                                        acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, db),
-                                        acc[r][1]);
-        }
-        if (has_min) {
-            const __m512 m0 = _mm512_load_ps(mn + s * PANEL);
-            const __m512 m1 = _mm512_load_ps(mn + s * PANEL + 16);
+        if (KQ)
             for (int r = 0; r < R; r++) {
-                const __m512 f = _mm512_set1_ps(fa[r * S + s]);
-                acc[r][0] = _mm512_fmadd_ps(m0, f, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(m1, f, acc[r][1]);
+                const __m512 db = _mm512_set1_ps(da[r * nb + sd * SB / 32]);
+                acc[r][0] = _mm512_fmadd_ps(part[r][0], db, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(part[r][1], db, acc[r][1]);
             }
-        }
     }
     for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(res + r * PANEL, acc[r][0]);
@@ -246,28 +265,31 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min,
     }
 }
 
-/* One function per (rows, sub-block, minimum): the loops above fully unrolled for each. */
-#define TILE_FN(R, SB, MIN)                                                                 \
-    static __attribute__((noinline)) void tile_##R##_##SB##_##MIN(                          \
+/* One function per (rows, sub-block, minimum, K-quant): the loops above fully unrolled for
+ * each. */
+#define TILE_FN(R, SB, MIN, KQ)                                                             \
+    static __attribute__((noinline)) void tile_##R##_##SB##_##MIN##_##KQ(                   \
         const uint8_t *p, const float *sc, const float *mn, const struct rows *x, int64_t m, \
         int64_t k0, int64_t kc, int first, float *res) {                                    \
-        tile(R, SB, MIN, p, sc, mn, x, m, k0, kc, first, res);                              \
+        tile(R, SB, MIN, KQ, p, sc, mn, x, m, k0, kc, first, res);                          \
     }
-#define TILE_FNS(SB, MIN) TILE_FN(1, SB, MIN) TILE_FN(2, SB, MIN) TILE_FN(3, SB, MIN) \
-    TILE_FN(4, SB, MIN)
-TILE_FNS(32, 0)
-TILE_FNS(32, 1)
-TILE_FNS(16, 0)
+#define TILE_FNS(SB, MIN, KQ) TILE_FN(1, SB, MIN, KQ) TILE_FN(2, SB, MIN, KQ) \
+    TILE_FN(3, SB, MIN, KQ) TILE_FN(4, SB, MIN, KQ)
+TILE_FNS(32, 0, 0)
+TILE_FNS(32, 1, 0)
+TILE_FNS(32, 1, 1)
+TILE_FNS(16, 0, 1)
 
 typedef void (*tile_fn)(const uint8_t *, const float *, const float *, const struct rows *,
                         int64_t, int64_t, int64_t, int, float *);
-static tile_fn tile_for(int R, int SB, int has_min) {
-    static const tile_fn fns[3][4] = {
-        {tile_1_32_0, tile_2_32_0, tile_3_32_0, tile_4_32_0},
-        {tile_1_32_1, tile_2_32_1, tile_3_32_1, tile_4_32_1},
-        {tile_1_16_0, tile_2_16_0, tile_3_16_0, tile_4_16_0},
+static tile_fn tile_for(int R, int SB, int has_min, int kq) {
+    static const tile_fn fns[4][4] = {
+        {tile_1_32_0_0, tile_2_32_0_0, tile_3_32_0_0, tile_4_32_0_0},
+        {tile_1_32_1_0, tile_2_32_1_0, tile_3_32_1_0, tile_4_32_1_0},
+        {tile_1_32_1_1, tile_2_32_1_1, tile_3_32_1_1, tile_4_32_1_1},
+        {tile_1_16_0_1, tile_2_16_0_1, tile_3_16_0_1, tile_4_16_0_1},
     };
-    return fns[SB == 16 ? 2 : has_min][R - 1];
+    return fns[SB == 16 ? 3 : kq ? 2 : has_min][R - 1];
 }
 
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
@@ -340,8 +362,8 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
                         transpose_16(u + half * 16 * kc + k, kc, panel + k / 4 * GROUP + 64 * half);
                 for (int64_t m = 0; m < M; m += TILE_R) {
                     const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
-                    tile_for(R, fi.sub, fi.has_min)(panel, sc, mn, &xr, m, k0, kc, k0 == 0,
-                                                    res + m * PANEL);
+                    tile_for(R, fi.sub, fi.has_min, fi.values == 256)(
+                        panel, sc, mn, &xr, m, k0, kc, k0 == 0, res + m * PANEL);
                 }
             }
             if (bias) load_f32((const char *)bias + n0 * elem_size(dt), bias_row, cols, dt);
