@@ -397,24 +397,27 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
             if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
             __m512i q[4], sc[4], s16;
             __m128i mins = _mm_setzero_si128();
-            float d, dmin = 0.0f;
+            __m128 dd; /* d (and Q4_K / Q5_K's dmin) in lanes 0 (and 1) */
             unpack_vnni(fmt, blk, q);
             if (fmt == FMT_Q6_K) {
                 s16 = _mm512_castsi256_si512(
                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
-                d = f16_at(blk + 208);
+                dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t *)(blk + 208)));
             } else {
                 const __m128i s = k4_scales_x86(blk + 4);
                 s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s));
                 mins = _mm_cvtepu8_epi16(_mm_srli_si128(s, 8));
-                d = f16_at(blk), dmin = f16_at(blk + 2);
+                int32_t both;
+                memcpy(&both, blk, 4);
+                dd = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
             }
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++)
                 sc[k] = _mm512_permutexvar_epi16(scale_words(fmt, k), s16);
             for (int r = 0; r < R; r++) {
                 const int8_t *a = x->a + r * x->K + b * QKK;
-                const float da = x->da[r * x->nb + b * 8];
+                /* d * da, dmin * da */
+                const __m128 dda = _mm_mul_ps(dd, _mm_set1_ps(x->da[r * x->nb + b * 8]));
                 const int16_t *bs = x->bs + r * x->ns + b * (fmt == FMT_Q6_K ? 16 : 8);
                 __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -428,11 +431,11 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
                                             _mm512_zextsi256_si512(_mm256_slli_epi32(corr, 5)));
                 } else {
                     const __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)bs));
-                    accm[r][c] =
-                        _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(dmin * da), accm[r][c]);
+                    accm[r][c] = _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_permute_ps(dda, 0x55),
+                                              accm[r][c]);
                 }
-                acc[r][c] =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * da), acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(dda),
+                                            acc[r][c]);
             }
         }
     }
