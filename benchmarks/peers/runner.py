@@ -15,7 +15,8 @@ Python workload definition. Each engine gets the same workload (benchmarks/workl
   another), every request streamed; output tokens/s, TTFT and inter-token latencies.
 - batched (asyncengine only): llama-batched-bench's shape, for the llama.cpp comparison: for
   each batch size B in `--concurrency`, B distinct 80-token prompts generating 64 tokens each,
-  output tokens over the wall time (median of `--repeats`).
+  output tokens over the wall time (median of `--repeats`), with a KV cache of the largest
+  batch's tokens, as llama-batched-bench is given.
 
 Both modes report the resident memory of the whole process tree (engine-core and worker
 processes included), sampled at its largest during the runs.
@@ -158,11 +159,19 @@ def batched_prompts(folder: Path, batch: int) -> list[list[int]]:
     ).prompts
 
 
+# KV blocks of the engine's default size (16 tokens) per sequence of the batched shape.
+_BATCHED_BLOCKS_PER_SEQ = -(-(BATCHED_PROMPT_LEN + BATCHED_GEN_LEN) // 16)
+
+
 def _asyncengine_batched(folder: Path, batches: list[int], repeats: int) -> dict[str, Any]:
     from asyncengine import LLM, SamplingParams
 
     _import_torch()
-    llm = LLM(_model(folder), dtype="bfloat16")
+    # The KV cache of llama-batched-bench's run (peers/llamacpp.py gives it the cells of the
+    # largest batch), and a spare block a sequence: the CPU default (256 MB) holds fewer than
+    # 64 such sequences of a 1B model (32 KB a token), and the scheduler then preempts some.
+    num_kv_blocks = max(batches) * (_BATCHED_BLOCKS_PER_SEQ + 1)
+    llm = LLM(_model(folder), dtype="bfloat16", num_kv_blocks=num_kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=BATCHED_GEN_LEN, ignore_eos=True)
     llm.generate(_warmup(folder), params, use_tqdm=False)
     tok_s: dict[str, float] = {}
