@@ -40,6 +40,7 @@ if __package__ in (None, ""):
 import contextlib
 import itertools
 
+from benchmarks.peers.report import CONCURRENCIES
 from benchmarks.workload import (
     SEED,
     Workload,
@@ -167,10 +168,11 @@ def _asyncengine_batched(folder: Path, batches: list[int], repeats: int) -> dict
     from asyncengine import LLM, SamplingParams
 
     _import_torch()
-    # The KV cache of llama-batched-bench's run (peers/llamacpp.py gives it the cells of the
-    # largest batch), and a spare block a sequence: the CPU default (256 MB) holds fewer than
-    # 64 such sequences of a 1B model (32 KB a token), and the scheduler then preempts some.
-    num_kv_blocks = max(batches) * (_BATCHED_BLOCKS_PER_SEQ + 1)
+    # The KV cache of llama-batched-bench's runs (the harness gives it the cells of the
+    # largest batch it runs, whichever batch this run is), and a spare block a sequence: the
+    # CPU default (256 MB) holds fewer than 64 such sequences of a 1B model (32 KB a token),
+    # and the scheduler then preempts some.
+    num_kv_blocks = max(*batches, *CONCURRENCIES) * (_BATCHED_BLOCKS_PER_SEQ + 1)
     llm = LLM(_model(folder), dtype="bfloat16", num_kv_blocks=num_kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=BATCHED_GEN_LEN, ignore_eos=True)
     llm.generate(_warmup(folder), params, use_tqdm=False)
