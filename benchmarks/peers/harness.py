@@ -417,9 +417,12 @@ def _serve(
     elif engine.startswith("vllm"):
         command = vllm_command(folder, port, served_model_name=name, python=pythons[engine])
     else:
+        # The KV cache llama-server gets (its slots' cells, in the engine's 16-token blocks):
+        # the CPU default of 256 MB holds 8,192 tokens of a 1B model, half of that.
+        kv_blocks = max(CONCURRENCIES) * llamacpp.SERVER_CTX_PER_SLOT // 16
         command = asyncengine_command(
             weights or folder, port, served_model_name=name, python=pythons[engine],
-            extra_args=_serving_args(),
+            extra_args=[*_serving_args(), "--num-kv-blocks", str(kv_blocks)],
         )  # fmt: skip
     variant = f"-{weights.stem}" if weights is not None else ""
     log = BENCH / f"serve-{name}{variant}-{engine.replace(' ', '_')}.log"

@@ -336,6 +336,10 @@ def batched_bench(
     return {b: found[b] for b in batches}
 
 
+# KV cells per llama-server slot (the harness gives asyncengine's server as many in all).
+SERVER_CTX_PER_SLOT = 256
+
+
 def server_command(
     llama: LlamaCpp,
     gguf: Path,
@@ -343,7 +347,7 @@ def server_command(
     *,
     parallel: int = 64,
     threads: int = 2,
-    ctx_per_slot: int = 256,
+    ctx_per_slot: int = SERVER_CTX_PER_SLOT,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """`llama-server` on 127.0.0.1:`port`: `parallel` slots of `ctx_per_slot` tokens each
