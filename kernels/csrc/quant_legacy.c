@@ -205,11 +205,22 @@ static void quantize_row(int dt, const void *x, int64_t K, int group, int8_t *re
         load_f32((const char *)x + g * group * elem_size(dt), buf, group, dt);
         const float amax = abs_max(buf, group);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float scale = amax / 127.0f;
         for (int b = 0; b < group / QK; b++) {
-            d[g * (group / QK) + b] = amax / 127.0f;
+            d[g * (group / QK) + b] = scale;
             quantize_32(buf + b * QK, id, qs + g * group + b * QK);
         }
     }
+}
+
+/* x's M rows (row stride x_st elements) quantized row by row in groups of `group` values. */
+static void quantize_rows(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int group,
+                          int8_t *qs, float *d, int num_threads) {
+    const int team = M < num_threads ? (int)M : num_threads;
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, group, qs + m * K,
+                     d + m * (K / QK));
 }
 
 /*
@@ -219,11 +230,7 @@ static void quantize_row(int dt, const void *x, int64_t K, int group, int8_t *re
  */
 void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
                          float *d, int num_threads) {
-    const int team = M < num_threads ? (int)M : num_threads;
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, QK, qs + m * K,
-                     d + m * (K / QK));
+    quantize_rows(dt, x, x_st, M, K, QK, qs, d, num_threads);
 }
 
 /*
@@ -233,11 +240,7 @@ void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t
  */
 void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
                           float *d, int num_threads) {
-    const int team = M < num_threads ? (int)M : num_threads;
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && M >= 16)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(dt, (const char *)x + m * x_st * elem_size(dt), K, 256, qs + m * K,
-                     d + m * (K / QK));
+    quantize_rows(dt, x, x_st, M, K, 256, qs, d, num_threads);
 }
 
 /*

@@ -102,7 +102,12 @@ def _reference_model(
     """The transformers model `_reference` runs (see there)."""
     import transformers
 
-    from asyncengine.kernels.quant_cpu import QK, QKK, dequantize_rows_q8, quantize_rows_q8_torch
+    from asyncengine.kernels.quant_cpu import (
+        QK,
+        activation_group,
+        dequantize_rows_q8,
+        quantize_rows_q8_torch,
+    )
 
     model_file = read_gguf(path)
     hf = dict(model_file.hf_config)
@@ -129,12 +134,12 @@ def _reference_model(
 
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                # the K-quants' activations share a scale per 256 values, the others' per 32
+                # each layer's activations rounded as its GGUF type's products round them
                 ggml_type = tiny.types.get(f"{name}.weight")
                 if ggml_type is None:  # a tied lm_head: the embedding's type
                     ggml_type = tiny.types.get("model.embed_tokens.weight")
-                kquant = ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-                module.register_forward_pre_hook(round_input(QKK if kquant else QK))
+                group = QK if ggml_type is None else activation_group(Q(ggml_type).name.lower())
+                module.register_forward_pre_hook(round_input(group))
     return model
 
 
