@@ -201,6 +201,7 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     )),
     "ae_pool_quiesce": (_int, (_int,)),  # timeout ms -> 1 when no helper is in an item
     "ae_pool_set_strict": (_int, (_int,)),  # on -> before (jobs wait for their helpers)
+    "ae_omp_set_threads": (_int, (_int,)),  # this thread's OpenMP team size -> before
     "ae_quant_formats": (_int, ()),  # bit f: format code f runs (quant_formats.FORMATS)
     "ae_linear_quant": (_int, (
         _int, _int, _ptr, _i64, _i64,  # format code, dtype code, x, its row stride, rows
@@ -255,6 +256,7 @@ class NativeKernels:
     quantize_rows_q8k: Callable[..., None]
     pool_quiesce: Callable[[int], int]
     pool_set_strict: Callable[[int], int]
+    omp_set_threads: Callable[[int], int]
     # which formats ae_linear_quant runs (bit f: format code f; see quant_formats.FORMATS)
     quant_formats: int
     linear_quant: Callable[..., int]
@@ -373,6 +375,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         quantize_rows_q8k=_function(lib, "ae_quantize_rows_q8k"),
         pool_quiesce=_function(lib, "ae_pool_quiesce"),  # type: ignore[arg-type]
         pool_set_strict=_function(lib, "ae_pool_set_strict"),  # type: ignore[arg-type]
+        omp_set_threads=_function(lib, "ae_omp_set_threads"),  # type: ignore[arg-type]
         quant_formats=int(_function(lib, "ae_quant_formats")()),  # type: ignore[func-returns-value,call-overload]
         linear_quant=_function(lib, "ae_linear_quant"),  # type: ignore[arg-type]
         quant_gemm=_function(lib, "ae_quant_gemm"),  # type: ignore[arg-type]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -209,6 +211,33 @@ def quiesce_pool(timeout_ms: int = 1000) -> None:
     lib = load_native()
     if lib is not None:
         lib.pool_quiesce(timeout_ms)
+
+
+# The most rows a product (or tokens a step's attention) runs on the work pool with: csrc/pool.h's
+# AE_POOL_MAX_ROWS; larger ones run on OpenMP.
+POOL_MAX_ROWS = 8
+
+
+@contextmanager
+def openmp_in_caller() -> Iterator[None]:
+    """Inside, this thread's OpenMP regions (torch's elementwise ops and reductions over large
+    tensors, the kernels' own) run in the thread alone; other threads keep their setting.
+
+    For the host work around a step whose products run on the work pool (sampling a few rows of
+    logits, drawing their noise): after an OpenMP region ends its team's idle thread spins for
+    milliseconds, on the core that the pool's helper needs for the next products (on 2 cores, a
+    1B model's decode step ran 3 ms slower after one such region), while a few rows' ops take
+    about as long in one thread as in two. Nothing changes where the native library is not
+    loaded."""
+    lib = load_native() if load_native.cache_info().currsize else None
+    if lib is None:
+        yield
+        return
+    before = lib.omp_set_threads(1)
+    try:
+        yield
+    finally:
+        lib.omp_set_threads(before)
 
 
 def set_pool_strict(on: bool) -> bool:

@@ -10,6 +10,7 @@ import logging
 import math
 import mmap
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from asyncengine.ipc.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from asyncengine.kernels.linear_cpu import POOL_MAX_ROWS, openmp_in_caller
 from asyncengine.model.attention import AttentionMetadata, get_backend
 from asyncengine.model.cpu_forward import CpuForward
 from asyncengine.model.interface import ModelForward, TokenChoice
@@ -293,7 +295,8 @@ class ModelRunner:
             )
         choice = None
         if metadata is not None and grammar_bitmask is None and not batch.prompt_rows:
-            choice = self._token_choice(scheduler_output, metadata)
+            with self._host_ops(scheduler_output):
+                choice = self._token_choice(scheduler_output, metadata)
         hidden: list[torch.Tensor] = []
         hidden_indices = None
         if batch.hidden_indices and self.is_driver:
@@ -308,7 +311,10 @@ class ModelRunner:
         if grammar_bitmask is not None:  # filled beside the forward pass: wait for it now
             scheduler_output.grammar_bitmask = grammar_bitmask()
         num_sampled = len(batch.sample_req_ids)
-        output = self._sample(scheduler_output, batch.sample_req_ids, out[:num_sampled], metadata)
+        with self._host_ops(scheduler_output):
+            output = self._sample(
+                scheduler_output, batch.sample_req_ids, out[:num_sampled], metadata
+            )
         if batch.prompt_rows and self.is_driver:
             output.prompt_logprobs = self._prompt_logprobs(
                 len(output.req_ids), batch.prompt_rows, out[num_sampled:]
@@ -316,6 +322,13 @@ class ModelRunner:
         if batch.pool_rows and hidden:
             output.pooled = self._pool(output.req_ids, batch.pool_rows, hidden[0])
         return output
+
+    def _host_ops(self, scheduler_output: SchedulerOutput) -> AbstractContextManager[None]:
+        """Where a CPU step's products run on the kernels' work pool (at most POOL_MAX_ROWS
+        tokens), its sampling runs in this thread alone (see linear_cpu.openmp_in_caller)."""
+        if self.device.type != "cpu" or scheduler_output.total_num_scheduled_tokens > POOL_MAX_ROWS:
+            return nullcontext()
+        return openmp_in_caller()
 
     def _lora_batch(self, scheduler_output: SchedulerOutput) -> LoRABatch | None:
         """The step's adapters and their rows (packed in batch order); None: none."""

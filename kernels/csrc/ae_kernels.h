@@ -123,6 +123,9 @@ int ae_pool_quiesce(int timeout_ms);
 /* pool.c, tests: 1 makes every job wait for its helpers to leave its items before it returns
  * (initially $ASYNCENGINE_POOL_STRICT=1); returns the previous setting */
 int ae_pool_set_strict(int on);
+/* pool.c: this thread's OpenMP team size for later regions (omp_set_num_threads, which is
+ * what torch.set_num_threads calls, without its other effects); returns the size before */
+int ae_omp_set_threads(int n);
 /* pool.c, for tests: helpers sleep `ns` after claiming an item, as if preempted there; returns
  * how many items the calling thread took over from helpers since the last call */
 int64_t ae_pool_test_delay_helpers(int64_t ns);

@@ -13,6 +13,7 @@
 
 #include "ae_kernels.h"
 #include "ae_vec.h"
+#include "pool.h"
 
 /* argmax of one row of n fp32-widened values at p (dtype dt): see ae_argmax_rows. */
 static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
@@ -62,11 +63,18 @@ static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
 /*
  * out[r] = argmax of row r (n values, row stride x_st elements), as torch.argmax: the first
  * index of the maximum, or of the first NaN when the row has one.
+ *
+ * Up to AE_POOL_MAX_ROWS rows (a decode step on linear.c's pool) run in the calling thread:
+ * an OpenMP team's idle thread spins for milliseconds after its region ends, on a core the
+ * pool's helper needs for the next step's products (AMD Zen 4, 2 cores: a 1B Q4_K_M model's
+ * greedy decode step, whose argmax follows its quantized lm_head, 32.0-32.4 ms with the
+ * region, 27.1-29.2 without), and a row is one thread's work anyway (~20 us at 128k values).
  */
 void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
                     int num_threads) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= 65536)
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (rows > AE_POOL_MAX_ROWS && rows * n >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * x_st * es;
         if (dt == AE_BF16)

@@ -36,6 +36,9 @@
  */
 
 #define _GNU_SOURCE
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -271,6 +274,18 @@ int ae_pool_set_strict(int on) {
     const int before = pool_strict();
     atomic_store(&strict_mode, on ? 1 : 0);
     return before;
+}
+
+/* See ae_kernels.h. OpenMP's team size is a per-thread setting: other threads keep theirs. */
+int ae_omp_set_threads(int n) {
+#ifdef _OPENMP
+    const int before = omp_get_max_threads();
+    if (n > 0) omp_set_num_threads(n);
+    return before;
+#else
+    (void)n;
+    return 1;
+#endif
 }
 
 void ae_pool_run(ae_pool_fn fn, const void *ctx, size_t ctx_bytes, int64_t n, int threads) {
