@@ -80,8 +80,9 @@
 #define ROWS_PER_ITEM 16
 #define MAX_R 4 /* rows of x per tile */
 #define MAX_C 4 /* weight rows per tile */
-/* Software prefetch this far ahead of the weight loads (as quant_legacy.c). */
-#define PREFETCH_BYTES 4096
+/* Software prefetch this far ahead of the weight loads, into L2 (prefetcht1), as
+ * quant_legacy.c (see there). */
+#define PREFETCH_BYTES 8192
 
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
 
@@ -242,10 +243,10 @@ static ALWAYS_INLINE void tile_avx2(const int fmt, const int R, const int C, con
     for (int64_t b = 0; b < nsb; b++) {
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + b * bb;
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
-            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T1);
+            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T1);
             float d;
             __m256 off0, off1 = _mm256_setzero_ps(); /* what the sa sums are scaled by */
             int16_t sc[16];
@@ -391,10 +392,10 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
     for (int64_t b = 0; b < nsb; b++) {
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + b * bb;
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
-            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T1);
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T1);
+            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T1);
             __m512i q[4], sc[4], s16;
             __m128i mins = _mm_setzero_si128();
             __m128 dd; /* d (and Q4_K / Q5_K's dmin) in lanes 0 (and 1) */
