@@ -210,6 +210,15 @@ static ALWAYS_INLINE void tile_scalar(const int fmt, const int R, const int C, c
 /* ---- AVX2 tile ---- */
 
 #ifdef HAVE_AVX2
+/* The lines PREFETCH_BYTES past super-block blk into L2: a super-block's 144-210 bytes. */
+static ALWAYS_INLINE void prefetch_ahead(const int fmt, const uint8_t *blk) {
+    const char *p = (const char *)blk + PREFETCH_BYTES;
+    _mm_prefetch(p, _MM_HINT_T1);
+    _mm_prefetch(p + 64, _MM_HINT_T1);
+    _mm_prefetch(p + 128, _MM_HINT_T1);
+    if (fmt == FMT_Q6_K) _mm_prefetch(p + 192, _MM_HINT_T1);
+}
+
 /* Bit j of each byte of v as 16 (0 elsewhere): a 16-bit shift moves each byte's bit j to its
  * bit 4 (bits crossing from the neighbouring byte land elsewhere and are masked off). */
 static ALWAYS_INLINE __m256i bit_as_16(__m256i v, const int j) {
@@ -243,10 +252,7 @@ static ALWAYS_INLINE void tile_avx2(const int fmt, const int R, const int C, con
     for (int64_t b = 0; b < nsb; b++) {
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + b * bb;
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T1);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T1);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T1);
-            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T1);
+            prefetch_ahead(fmt, blk);
             float d;
             __m256 off0, off1 = _mm256_setzero_ps(); /* what the sa sums are scaled by */
             int16_t sc[16];
@@ -392,10 +398,7 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
     for (int64_t b = 0; b < nsb; b++) {
         for (int c = 0; c < C; c++) {
             const uint8_t *blk = w + c * row_bytes + b * bb;
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T1);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T1);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T1);
-            if (fmt == FMT_Q6_K) _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T1);
+            prefetch_ahead(fmt, blk);
             __m512i q[4], sc[4], s16;
             __m128i mins = _mm_setzero_si128();
             __m128 dd; /* d (and Q4_K / Q5_K's dmin) in lanes 0 (and 1) */
