@@ -35,10 +35,14 @@ class QuantFormat:
     code: int  # its number in the native kernels (`ae_linear_quant`'s fmt)
     values: int  # values per block
     nbytes: int  # bytes per block
+    row_group: int = 1  # rows come in groups of this many (Q4_K_R8: 8)
 
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 Q4_K, Q5_K, Q6_K = "q4_k", "q5_k", "q6_k"
+# Q4_K with every 8 rows interleaved: made at load for the AVX512-VNNI one-row product
+# (kernels/csrc/quant_r8.c has the layout), never found in a file.
+Q4_K_R8 = "q4_k_r8"
 FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
@@ -50,6 +54,7 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat(Q4_K, 5, 256, 144),
         QuantFormat(Q5_K, 6, 256, 176),
         QuantFormat(Q6_K, 7, 256, 210),
+        QuantFormat(Q4_K_R8, 8, 256, 144, 8),  # per row; 8 rows make a group block of 1152
     )
 }
 LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # blocks of 32 (kernels/csrc/quant_legacy.c)
@@ -126,6 +131,8 @@ def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:  # [..., 210] -> [..., 25
 
 def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """`qtype` blocks, uint8 [N, K / values * bytes], as the fp32 weight [N, K]."""
+    if qtype == Q4_K_R8:
+        return dequantize(r8_to_q4_k(qweight), Q4_K)
     fmt = quant_format(qtype)
     k = in_features(qweight, qtype)
     n = qweight.shape[0]
@@ -159,6 +166,37 @@ def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     return w.reshape(n, k)
 
 
+def r8_to_q4_k(qweight: torch.Tensor) -> torch.Tensor:
+    """Q4_K_R8 weights, uint8 [N, K / 256 * 144], back as the Q4_K rows they were made from
+    (the same shape; csrc/quant_r8.c's layout read in torch: the reference of
+    `ae_unpack_q4_k_r8`)."""
+    n = qweight.shape[0]
+    if n % 8:
+        raise ValueError(f"{Q4_K_R8} weights have a multiple of 8 rows, not {n}")
+    g = qweight.reshape(n // 8, -1, 1152).to(torch.int32)  # [groups, super-blocks, 1152]
+    d = g[..., 0:32].reshape(*g.shape[:2], 2, 8, 2)  # d, dmin; row r's 2 bytes
+    a = g[..., 32:96].reshape(*g.shape[:2], 8, 8)  # [j][r]
+    b = g[..., 96:128]
+    m_lo = torch.cat([b & 15, b >> 4], dim=-1).reshape(*g.shape[:2], 8, 8)
+    sc = (a & 63).transpose(-1, -2)  # [groups, super-blocks, r, j]
+    m = (((a >> 6) << 4) | m_lo).transpose(-1, -2)
+    scales = torch.cat(
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+        ],
+        dim=-1,
+    )  # [groups, super-blocks, r, 12]
+    chunks = g[..., 128:].reshape(*g.shape[:2], 16, 8, 2, 4)  # [c][r][h][e]
+    q = torch.stack([chunks & 15, chunks >> 4], dim=3)  # [c][lo/hi][r][h][e]
+    q = q.permute(0, 1, 4, 2, 3, 5, 6).reshape(*g.shape[:2], 8, 4, 2, 32)  # [r][c64][half][l]
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*g.shape[:2], 8, 128)
+    dd = d.permute(0, 1, 3, 2, 4).reshape(*g.shape[:2], 8, 4)
+    blocks = torch.cat([dd, scales, qs], dim=-1)  # [groups, super-blocks, r, 144]
+    return blocks.transpose(1, 2).reshape(n, -1).to(torch.uint8)
+
+
 def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """Random valid `qtype` blocks for an [n, k] weight (k a multiple of the block's values):
     random quants, scales in fp16 of moderate size (no inf or NaN), for kernel tests of the
@@ -166,6 +204,14 @@ def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> tor
     fmt = quant_format(qtype)
     if k % fmt.values:
         raise ValueError(f"K={k} is not a multiple of {fmt.values} ({qtype})")
+    if qtype == Q4_K_R8:  # any bytes are valid, but for the fp16 d and dmin of each row
+        if n % fmt.row_group:
+            raise ValueError(f"N={n} is not a multiple of {fmt.row_group} ({qtype})")
+        shape = (n // 8 * k // 256, 1152)
+        raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        scales = torch.rand(raw.shape[0], 16, generator=generator) * (2e-2 - 1e-3) + 1e-3
+        raw[:, :32] = scales.half().view(torch.uint8)
+        return raw.reshape(n, -1)
     blocks = n * k // fmt.values
     raw = torch.randint(0, 256, (blocks, fmt.nbytes), dtype=torch.uint8, generator=generator)
 

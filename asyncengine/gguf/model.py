@@ -3,6 +3,7 @@ tokenizer folder, with every tensor a zero-copy view of the file's mapping."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,16 @@ class GGUFTensor:
         """The tensor's bytes as a read-only memoryview of the file's mapping (for
         `torch.frombuffer`); while it lives, the mapping stays."""
         return memoryview(self._file.buffer)[self.offset : self.offset + self.nbytes]
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the tensor's bytes (the file keeps them: a
+        later read maps them again), once it is read into a copy, so that the copy does not
+        count twice in the resident set."""
+        page = mmap.PAGESIZE
+        start = (self.offset + page - 1) // page * page
+        end = (self.offset + self.nbytes) // page * page
+        if end > start:
+            self._file.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def view(self) -> npt.NDArray[Any]:
         """A zero-copy array of the values of an F32 / F16 tensor (BF16: its uint16 bit

@@ -29,6 +29,7 @@ from asyncengine.gguf import GGUFModel, GGUFTensor, read_gguf
 from asyncengine.gguf.ggml_types import FLOAT_TYPES, SUPPORTED_TYPES, GGMLType
 from asyncengine.gguf.serving import check_runnable
 from asyncengine.heap import release_free_heap
+from asyncengine.kernels.quant_cpu import decode_layout
 from asyncengine.model.cpu_forward import CpuForward, joint_weights
 from asyncengine.model.cpu_linear import linear_layer
 from asyncengine.model.lean_layer import LeanLayer
@@ -80,7 +81,8 @@ def load_gguf_forward(model_config: ModelConfig) -> CpuForward:
         rotary=RotaryEmbedding(rope, _rope_freqs(model, rope.head_dim)),
         final_norm=loader.values(model.tensors["model.norm.weight"]),
         final_eps=eps,
-        lm_head=loader.linear(head, None),
+        # a tied lm_head stays in the file's layout: the embedding reads the same bytes
+        lm_head=loader.linear(head, None, relayout=head is not embed),
         head_dim=model_config.head_dim,
         layers=layers,
     )
@@ -126,11 +128,22 @@ class _Loader:
             flat = torch.frombuffer(tensor.memoryview(), dtype=torch.uint8)
         return flat.view(tensor.num_rows, tensor.row_nbytes)
 
-    def linear(self, weight: GGUFTensor, bias: GGUFTensor | None) -> nn.Module:
+    def linear(
+        self, weight: GGUFTensor, bias: GGUFTensor | None, relayout: bool = True
+    ) -> nn.Module:
+        """A quantized weight's layer reads the file's blocks in place, or (`relayout`, where
+        the kernels read another layout faster: `decode_layout`) a copy in that layout, the
+        file's pages of it released; a float weight's, its values in the engine's dtype."""
         b = None if bias is None else self.values(bias)
-        if weight.ggml_type in _QTYPES:
-            return QuantLinear(self.blocks(weight), _QTYPES[weight.ggml_type], b)
-        return linear_layer(self.values(weight), b)
+        if weight.ggml_type not in _QTYPES:
+            return linear_layer(self.values(weight), b)
+        blocks, qtype = self.blocks(weight), _QTYPES[weight.ggml_type]
+        if relayout:
+            copy, qtype = decode_layout(blocks, qtype)
+            if copy is not blocks:
+                blocks = copy
+                weight.release_pages()
+        return QuantLinear(blocks, qtype, b)
 
 
 def _float_rows(tensor: GGUFTensor) -> Any:

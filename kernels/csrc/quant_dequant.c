@@ -23,6 +23,7 @@
 
 #include "ae_kernels.h"
 #include "bf16.h"
+#include "kquant_blocks.h"
 
 static inline float f16_to_f32(uint16_t h) {
     _Float16 v;
@@ -220,18 +221,26 @@ static inline void store_bf16(const float *y, uint16_t *o, int64_t n) {
 
 int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, void *out,
                         int64_t o_st, int num_threads) {
-    if (fmt < 0 || fmt > 7) return -3;
+    if (fmt < 0 || fmt > AE_QUANT_Q4_K_R8) return -3;
     if (dt < 0 || dt > 2) return -4;
+    const int r8 = fmt == AE_QUANT_Q4_K_R8;
+    if (r8) fmt = AE_QUANT_Q4_K; /* read a row at a time from its group, as Q4_K blocks */
     const int64_t values = VALUES[fmt], nb = K / values;
-    if (K <= 0 || K % values) return -2;
+    if (K <= 0 || K % values || (r8 && N % 8)) return -2;
     const int64_t row_bytes = nb * BYTES[fmt];
 #pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
     {
         float y[256];
+        uint8_t blk[144];
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + n * row_bytes;
             for (int64_t i = 0; i < nb; i++) {
+                if (r8) {
+                    const uint8_t *g = (const uint8_t *)w + ((n / 8) * nb + i) * Q4K_R8_BYTES;
+                    q4k_r8_block(g, (int)(n % 8), blk);
+                    dequant_block(fmt, blk, y);
+                } else
 #ifdef HAVE_AVX512
                 if (fmt < 5) dequant_block32(fmt, row + i * BYTES[fmt], y);
                 else

@@ -58,9 +58,10 @@
 struct fmt_info {
     int values, bytes, sub, offset, has_min;
 };
-static const struct fmt_info FMT[8] = {
+static const struct fmt_info FMT[9] = {
     {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
     {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
+    {256, 144, 32, 0, 1}, /* Q4_K_R8: read 8 rows at a time (unpack_group_r8) */
 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -147,6 +148,49 @@ UNPACK_ROW_FN(4)
 UNPACK_ROW_FN(5)
 UNPACK_ROW_FN(6)
 UNPACK_ROW_FN(7)
+
+/* Rows 8g..8g+7 of Q4_K_R8 weights w (nsb super-blocks a row), their super-blocks b0 .. b0 +
+ * nb - 1, as unpack_row_5 unpacks 8 Q4_K rows: values into u (row stride ld), d_s and m_s
+ * into columns col..col+7 of sc and mn. A chunk's low nibbles hold in 64-bit lane r row r's
+ * 8 values of its first step, the high nibbles those of the second (quant_r8.c). */
+static void unpack_group_r8(const uint8_t *restrict w, int64_t g, int64_t nsb, int64_t b0,
+                            int64_t nb, uint8_t *restrict u, int64_t ld, float *restrict sc,
+                            float *restrict mn, int col) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *blk = w + (g * nsb + b0 + i) * Q4K_R8_BYTES;
+        for (int c = 0; c < 16; c++) {
+            const __m512i P = _mm512_loadu_si512(blk + 128 + 64 * c);
+            const __m512i lo = _mm512_and_si512(P, m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
+            /* 128-bit lane k: rows 2k (unpacklo) and 2k + 1 (unpackhi), 16 values each */
+            uint8_t rows[2][64] __attribute__((aligned(64)));
+            _mm512_store_si512(rows[0], _mm512_unpacklo_epi64(lo, hi));
+            _mm512_store_si512(rows[1], _mm512_unpackhi_epi64(lo, hi));
+            for (int r = 0; r < 8; r++)
+                memcpy(u + r * ld + i * 256 + 16 * c, rows[r % 2] + 16 * (r / 2), 16);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        uint8_t s[8], m[8];
+        /* the 8 rows' 6-bit scales and mins (few beside the values) */
+        for (int j = 0; j < 8; j++) {
+            for (int r = 0; r < 8; r++) {
+                const int e = 8 * j + r, a = blk[32 + e];
+                const int nib = blk[96 + e % 32] >> (e < 32 ? 0 : 4);
+                s[r] = (uint8_t)(a & 63);
+                m[r] = (uint8_t)(((a >> 6) << 4) | (nib & 15));
+            }
+            const __m256 sv =
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+            const __m256 mv =
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
+            _mm256_storeu_ps(sc + (i * 8 + j) * PANEL + col, _mm256_mul_ps(d, sv));
+            _mm256_storeu_ps(mn + (i * 8 + j) * PANEL + col,
+                             _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mv)));
+        }
+    }
+}
 
 static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
                        int col) {
@@ -295,8 +339,9 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads) {
-    if (fmt < 0 || fmt > 7) return -3;
+    if (fmt < 0 || fmt > 8) return -3;
     const struct fmt_info fi = FMT[fmt];
+    if (fmt == AE_QUANT_Q4_K_R8 && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / fi.values, nb32 = K / 32, S = K / fi.sub, row_bytes = nb * fi.bytes;
@@ -348,7 +393,11 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
                 for (int c = 0; c < PANEL; c++) {
-                    if (c < cols) {
+                    if (c < cols && fmt == AE_QUANT_Q4_K_R8) { /* a group of 8 rows */
+                        if (c % 8 == 0)
+                            unpack_group_r8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256, u + c * kc,
+                                            kc, sc, mn, c);
+                    } else if (c < cols) {
                         const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
                         unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,
                                    u + c * kc, sc, mn, c);

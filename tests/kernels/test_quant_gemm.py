@@ -66,6 +66,8 @@ def test_products_match_the_exact_product(qtype: str, dtype: torch.dtype) -> Non
     generator = torch.Generator().manual_seed(len(qtype) * 7 + DTYPE_CODES[dtype])
     for m, n, blocks in [(1, 33, 1), (3, 1, 2), (4, 64, 3), (6, 70, 1), (9, 31, 4), (13, 97, 2)]:
         k = blocks * max(values, 64)
+        group = quant_format(qtype).row_group
+        n = -(-n // group) * group  # Q4_K_R8: whole groups of 8 rows
         qweight = random_blocks(qtype, n, k, generator)
         x = torch.randn(m, k, generator=generator).to(dtype)
         x[0, : k // 2] = 0  # zero activation blocks: scale 0

@@ -1,0 +1,331 @@
+/*
+ * Q4_K weights with every 8 rows interleaved (format 8, Q4_K_R8): the layout a one-row product
+ * on AVX512-VNNI reads fastest, made at load from a GGUF file's Q4_K rows (ae_repack_q4_k_r8)
+ * and nowhere else. The same bytes as Q4_K, arranged so that 8 weight rows are one vector's
+ * lanes: the scales of 8 rows decode in a few vector instructions instead of scalar code per
+ * row, every activation vector is read once for 8 rows, and the sub-block scale is one
+ * multiply per 8 rows instead of a permute and a vpdpwssd per row.
+ *
+ * Measured (AMD Zen 4, one thread, 2048 x 2048 from cache, benchmarks/quant_compute.py,
+ * 2026-11-28): 0.85-0.95 ns per 64 values against 1.52 for quant_kquants.c's one-row tile
+ * over the Q4_K bytes.
+ *
+ * A group block: rows 8g..8g+7's super-block b, Q4K_R8_BYTES = 8 x 144 bytes at
+ * w + (g * nsb + b) * 1152 (nsb = K / 256), so that N rows take N x K / 256 x 144 bytes and
+ * whole groups of rows slice as rows:
+ *   [0, 16)     d[8], fp16: row r's at 2r;  [16, 32) dmin[8], fp16
+ *   [32, 96)    A[64]: A[8j + r] = sc[r][j] | (m[r][j] >> 4) << 6   (j the sub-block)
+ *   [96, 128)   B[32]: B[i] = (m[.] & 15 of element i) | (m[.] & 15 of element i + 32) << 4,
+ *               element e = 8j + r
+ *   [128, 1152) 16 chunks of 64 bytes: chunk c holds steps 2c (low nibbles) and 2c + 1 (high);
+ *               step t is values 8t..8t+7 of each row (in sub-block t / 4). Byte 4L + e of a
+ *               chunk, lane L = 2r + h (r < 8, h < 2, e < 4): value 8t + 4h + e of row r, so
+ *               that 64-bit lane r of a chunk's nibbles is row r's 8 values of a step.
+ * (sc, m: the 6-bit scales and mins get_scale_min_k4 reads; d, dmin as in the Q4_K block.)
+ *
+ * The VNNI tile. x's rows are quantized per 256 values (ae_quantize_rows_q8k, as for Q4_K).
+ * Per chunk, one vpdpbusd of the unsigned nibbles by step t's 8 activation bytes broadcast to
+ * every 64-bit lane adds 4 products into each of 16 int32 lanes (row r, half h); a sub-block's
+ * 4 steps sum in two such vectors, which one vpmulld by the rows' sc (each twice) takes into
+ * the super-block's integer sum. Per super-block one conversion and one FMA by d * da; the min
+ * terms sum(m_j * bs_j) of the 8 rows in two vpmaddwd over m in int16 pairs (sub-blocks 2jp,
+ * 2jp + 1) against bs, the sub-block sums of a, in matching pairs. Every integer sum is exact:
+ * the numbers differ from the Q4_K tile's by the order of the fp32 sums only. No software
+ * prefetch: with 8 rows' bytes in one stream the hardware's keeps up (a prefetch 4 or 8 KB
+ * ahead was 2-4% slower on the layers of a 1B model's Q4_K_M file, Zen 4, 2 threads).
+ *
+ * Elsewhere (the AVX2 and scalar paths, or a build without AVX512-VNNI): the rows go back to
+ * Q4_K (ae_unpack_q4_k_r8) into a buffer and quant_kquants.c multiplies: correct, slower, for
+ * a path chosen after the weights were repacked (tests). Many-row products on the VNNI path
+ * run on quant_gemm.c's panels, which read the group blocks directly (unpack_group_r8).
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define HAVE_R8 1
+#endif
+
+#include "ae_kernels.h"
+#include "ae_vec.h"
+#include "kquant_blocks.h"
+#include "linear.h"
+#include "pool.h"
+
+#define QKK 256
+#define SB_BYTES 144
+#define GROUPS_PER_ITEM 2 /* 16 weight rows an item (or more: see linear_r8_vnni) */
+#define MAX_R 4           /* rows of x per tile */
+#define PATH_VNNI 2       /* quant_legacy.c's path code */
+
+/* ---- the layout, both ways ---- */
+
+static void repack_group(const uint8_t *src, int64_t row_bytes, int64_t b, uint8_t *o) {
+    uint8_t sc[8][8], mn[8][8], q[8][QKK];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *blk = src + r * row_bytes + b * SB_BYTES;
+        memcpy(o + 2 * r, blk, 2);
+        memcpy(o + 16 + 2 * r, blk + 2, 2);
+        k4_scales(blk + 4, sc[r], mn[r]);
+        unpack_sb(FMT_Q4_K, blk, q[r]);
+    }
+    for (int e = 0; e < 64; e++) {
+        const int j = e / 8, r = e % 8;
+        o[32 + e] = (uint8_t)(sc[r][j] | ((mn[r][j] >> 4) << 6));
+    }
+    for (int i = 0; i < 32; i++) {
+        const int e1 = i + 32;
+        o[96 + i] = (uint8_t)((mn[i % 8][i / 8] & 15) | ((mn[e1 % 8][e1 / 8] & 15) << 4));
+    }
+    for (int c = 0; c < 16; c++)
+        for (int L = 0; L < 16; L++)
+            for (int e = 0; e < 4; e++) {
+                const int r = L / 2, v = 16 * c + 4 * (L % 2) + e;
+                o[128 + 64 * c + 4 * L + e] = (uint8_t)(q[r][v] | (q[r][v + 8] << 4));
+            }
+}
+
+int ae_repack_q4_k_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads) {
+    if (N <= 0 || N % 8 || K <= 0 || K % QKK) return -2;
+    const int64_t nsb = K / QKK, row_bytes = nsb * SB_BYTES;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nsb; b++)
+            repack_group((const uint8_t *)src + g * 8 * row_bytes, row_bytes, b,
+                         (uint8_t *)dst + (g * nsb + b) * Q4K_R8_BYTES);
+    return 0;
+}
+
+int ae_unpack_q4_k_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads) {
+    if (N <= 0 || N % 8 || K <= 0 || K % QKK) return -2;
+    const int64_t nsb = K / QKK, row_bytes = nsb * SB_BYTES;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nsb; b++)
+            for (int r = 0; r < 8; r++)
+                q4k_r8_block((const uint8_t *)src + (g * nsb + b) * Q4K_R8_BYTES, r,
+                             (uint8_t *)dst + (g * 8 + r) * row_bytes + b * SB_BYTES);
+    return 0;
+}
+
+#ifdef HAVE_R8
+
+/* ---- activations ---- */
+
+/* What the tile reads of a row of x (per super-block b): a + 256 b, its int8 values; mv +
+ * 64 b, the sub-block sums of a as int16 pairs for the min terms (dword lane L of half z:
+ * bs[2jp], bs[2jp + 1] with jp = 2z + L / 8); da[b], its scale. */
+struct r8_rows {
+    const int8_t *a;
+    const int16_t *mv;
+    const float *da;
+};
+
+static void row_sums(const int8_t *a, const float *da32, int64_t K, int16_t *mv, float *da) {
+    for (int64_t b = 0; b < K / QKK; b++) {
+        int16_t bs[8];
+        for (int j = 0; j < 8; j++) {
+            int32_t s = 0; /* |s| <= 32 * 127: an int16 */
+            for (int i = 0; i < 32; i++) s += a[b * QKK + 32 * j + i];
+            bs[j] = (int16_t)s;
+        }
+        for (int w = 0; w < 64; w++) {
+            const int z = w / 32, L = (w % 32) / 2, jp = 2 * z + L / 8;
+            mv[64 * b + w] = bs[2 * jp + w % 2];
+        }
+        da[b] = da32[8 * b];
+    }
+}
+
+/* ---- the tile: R rows of x against one group of 8 weight rows ---- */
+
+/* m's bytes from [j][r] to [jp][r][2]: byte 16jp + 2r + p from 8(2jp + p) + r, which is in
+ * the same 128-bit lane (one vpshufb) */
+static const uint8_t MPERM[64] __attribute__((aligned(64))) = {
+    0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13,
+    6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11,
+    4, 12, 5, 13, 6, 14, 7, 15};
+
+static ALWAYS_INLINE void tile_r8(const int R, const uint8_t *w, int64_t nsb,
+                                  const struct r8_rows *x, float *res, int64_t res_st) {
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i m63 = _mm512_set1_epi8(63);
+    /* B's high nibbles (elements 32-63) to the upper half */
+    const __m512i bshift = _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
+                                             0x0004000400040004, 0x0004000400040004);
+    const __m512i mperm = _mm512_loadu_si512(MPERM);
+    __m512 acc[MAX_R];
+    __m256 accm[MAX_R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *o = w + b * Q4K_R8_BYTES;
+        /* the 8 rows' scales, each byte twice (lanes 2r and 2r + 1 of a sub-block's sums),
+         * stored and read back a sub-block at a time; the mins in int16 pairs */
+        const __m512i A = _mm512_loadu_si512(o + 32), sc = _mm512_and_si512(A, m63);
+        uint8_t scb[128] __attribute__((aligned(64)));
+        _mm512_store_si512(scb, _mm512_unpacklo_epi8(sc, sc)); /* sub-blocks 0 2 4 6 */
+        _mm512_store_si512(scb + 64, _mm512_unpackhi_epi8(sc, sc)); /* 1 3 5 7 */
+        const __m512i mhi = _mm512_and_si512(_mm512_srli_epi16(A, 2), m30);
+        const __m512i Bz = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(o + 96)));
+        const __m512i mlo = _mm512_and_si512(_mm512_srlv_epi16(Bz, bshift), m4);
+        const __m512i mj = _mm512_shuffle_epi8(_mm512_or_si512(mhi, mlo), mperm);
+        const __m512i m16a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(mj));
+        const __m512i m16b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(mj, 1));
+        __m512i isum[MAX_R];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m512i P0 = _mm512_loadu_si512(o + 128 + 128 * j);
+            const __m512i P1 = _mm512_loadu_si512(o + 192 + 128 * j);
+            const __m512i w0 = _mm512_and_si512(P0, m4);
+            const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4);
+            const __m512i w2 = _mm512_and_si512(P1, m4);
+            const __m512i w3 = _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4);
+            const __m512i scv = _mm512_cvtepu8_epi32(
+                _mm_load_si128((const __m128i *)(scb + 64 * (j % 2) + 16 * (j / 2))));
+            for (int r = 0; r < R; r++) {
+                /* step t's 8 values of a in every 64-bit lane: lane 2r + h meets a[8t + 4h..] */
+                const int64_t *a = (const int64_t *)(x[r].a + b * QKK + 32 * j);
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0,
+                                                 _mm512_set1_epi64(a[0]));
+                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1,
+                                                 _mm512_set1_epi64(a[1]));
+                s0 = _mm512_dpbusd_epi32(s0, w2, _mm512_set1_epi64(a[2]));
+                s1 = _mm512_dpbusd_epi32(s1, w3, _mm512_set1_epi64(a[3]));
+                isum[r] = _mm512_add_epi32(
+                    isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
+            }
+        }
+        /* d of row r in lanes 2r and 2r + 1 */
+        const __m128i d8 = _mm_loadu_si128((const __m128i *)o);
+        const __m512 d16 = _mm512_cvtph_ps(
+            _mm256_set_m128i(_mm_unpackhi_epi16(d8, d8), _mm_unpacklo_epi16(d8, d8)));
+        const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+        for (int r = 0; r < R; r++) {
+            const float da = x[r].da[b];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                     _mm512_mul_ps(d16, _mm512_set1_ps(da)), acc[r]);
+            const int16_t *mv = x[r].mv + 64 * b;
+            const __m512i ms = _mm512_add_epi32(_mm512_madd_epi16(m16a, _mm512_loadu_si512(mv)),
+                                                _mm512_madd_epi16(m16b, _mm512_loadu_si512(mv + 32)));
+            const __m256i ms8 = _mm256_add_epi32(_mm512_castsi512_si256(ms),
+                                                 _mm512_extracti64x4_epi64(ms, 1));
+            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms8),
+                                      _mm256_mul_ps(dmv, _mm256_set1_ps(da)), accm[r]);
+        }
+    }
+    /* row r's sum: lanes 2r and 2r + 1, less its min terms */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        const __m256 s = _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs));
+        _mm256_storeu_ps(res + r * res_st, _mm256_sub_ps(s, accm[r]));
+    }
+}
+
+/* ---- the product, item by item ---- */
+
+struct r8_job {
+    const uint8_t *w;
+    const int8_t *a;
+    const int16_t *mv;
+    const float *da;
+    const void *bias;
+    void *out;
+    int64_t M, N, K, o_st, per_item; /* groups an item */
+    int dt;
+};
+
+static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
+    const struct r8_job *j = ctx;
+    const int64_t nsb = j->K / QKK, g0 = item * j->per_item;
+    const int64_t g1 = g0 + j->per_item < j->N / 8 ? g0 + j->per_item : j->N / 8;
+    const int64_t n0 = 8 * g0, cols = 8 * (g1 - g0);
+    float *res = ae_thread_scratch((size_t)(j->M * cols + cols));
+    for (int64_t m = 0; m < j->M; m += MAX_R) {
+        const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
+        struct r8_rows x[MAX_R];
+        for (int r = 0; r < R; r++)
+            x[r] = (struct r8_rows){j->a + (m + r) * j->K, j->mv + (m + r) * nsb * 64,
+                                    j->da + (m + r) * nsb};
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *w = j->w + g * nsb * Q4K_R8_BYTES;
+            float *rg = res + m * cols + 8 * (g - g0);
+            switch (R) { /* one inlined copy per R */
+            case 1: tile_r8(1, w, nsb, x, rg, cols); break;
+            case 2: tile_r8(2, w, nsb, x, rg, cols); break;
+            case 3: tile_r8(3, w, nsb, x, rg, cols); break;
+            default: tile_r8(4, w, nsb, x, rg, cols); break;
+            }
+        }
+    }
+    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
+    float *bias = res + j->M * cols;
+    if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
+    for (int64_t m = 0; m < j->M; m++) {
+        float *row = res + m * cols;
+        if (j->bias)
+            for (int64_t c = 0; c < cols; c++) row[c] += bias[c];
+        store_f32((char *)j->out + (m * j->o_st + n0) * elem_size(j->dt), row, cols, j->dt);
+    }
+    ae_commit_end(commit);
+}
+
+static int linear_r8_vnni(int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                          int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                          int num_threads) {
+    const int64_t nsb = K / QKK, nb = K / 32;
+    /* x's rows where the item's threads read them: the pool's buffer when the caller holds
+     * the pool (a late helper may read it after this call), else fresh memory. Floats first,
+     * then the int16 pairs, then the bytes (each part a multiple of 64 bytes). */
+    const size_t d_bytes = (size_t)(M * nb) * 4 + (size_t)(M * nsb) * 4;
+    const size_t mv_bytes = (size_t)(M * nsb) * 128, q_bytes = (size_t)(M * K);
+    const size_t head = (d_bytes + 63) / 64 * 64;
+    const size_t bytes = head + mv_bytes + q_bytes;
+    const int pooled = ae_linear_use_pool(M, num_threads);
+    char *buf = pooled ? ae_pool_buffer(0, bytes) : aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (buf == NULL) {
+        if (pooled) ae_pool_release();
+        return -1;
+    }
+    float *da32 = (float *)buf, *da = da32 + M * nb;
+    int16_t *mv = (int16_t *)(buf + head);
+    int8_t *qa = (int8_t *)(buf + head + mv_bytes);
+    ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da32, pooled ? 1 : num_threads);
+    for (int64_t m = 0; m < M; m++)
+        row_sums(qa + m * K, da32 + m * nb, K, mv + m * nsb * 64, da + m * nsb);
+    int64_t per_item = GROUPS_PER_ITEM;
+    while ((N / 8 + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += GROUPS_PER_ITEM;
+    const struct r8_job job = {w, qa, mv, da, bias, out, M, N, K, o_st, per_item, dt};
+    const int64_t items = (N / 8 + per_item - 1) / per_item;
+    ae_linear_run_items(pooled, r8_item, &job, sizeof job, items, num_threads);
+    if (pooled) ae_pool_release();
+    else free(buf);
+    return 0;
+}
+
+#endif /* HAVE_R8 */
+
+int ae_linear_q4k_r8(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
+                     int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
+    if (K <= 0 || K % QKK || N % 8) return -2;
+    if (M <= 0 || N <= 0) return 0;
+#ifdef HAVE_R8
+    if (ae_quant_set_path(-2) == PATH_VNNI)
+        return linear_r8_vnni(dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+#endif
+    /* another path: the rows back as Q4_K, multiplied there */
+    void *q4k = malloc((size_t)(N * (K / QKK) * SB_BYTES));
+    if (q4k == NULL) return -1;
+    ae_unpack_q4_k_r8(w, q4k, N, K, num_threads);
+    const int r = ae_linear_kquant(FMT_Q4_K, dt, x, x_st, M, q4k, N, K, bias, out, o_st,
+                                   num_threads);
+    free(q4k);
+    return r;
+}
