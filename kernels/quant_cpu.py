@@ -54,17 +54,18 @@ from asyncengine.kernels.quant_formats import (
     Q5_K,
     Q6_K,
     Q8_0,
+    Q8_0_R8,
     dequantize,
     quant_format,
 )
 
 __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q4_K_R8", "Q5_0", "Q5_1",
-    "Q5_K", "Q6_K", "Q8_0", "QK", "QKK", "activation_group", "available_paths",
+    "Q5_K", "Q6_K", "Q8_0", "Q8_0_R8", "QK", "QKK", "activation_group", "available_paths",
     "current_path", "decode_layout", "dequantize", "dequantize_cpu", "dequantize_rows_q8",
     "gemm_min_rows", "linear_quant_cpu", "linear_quant_torch", "native_formats",
     "quant_gemm_cpu", "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight",
-    "repack_q4_k_r8", "set_path", "unpack_q4_k_r8",
+    "repack_r8", "set_path", "unpack_r8",
 ]  # fmt: skip
 
 QK = 32  # values per activation block (and per legacy weight block)
@@ -310,7 +311,7 @@ def _product(
     )  # fmt: skip
     if status == -1:
         raise MemoryError(f"{name}: no memory for [{m}, {k}] int8 activations")
-    if status == -2 and qtype == Q4_K_R8 and n % 8:
+    if status == -2 and qtype in (Q4_K_R8, Q8_0_R8) and n % 8:
         raise ValueError(f"{name}: a {qtype} weight has a multiple of 8 rows, not {n}")
     if status == -3:
         raise ValueError(missing)
@@ -319,56 +320,78 @@ def _product(
     return out.reshape(*x.shape[:-1], n)
 
 
-# Q4_K weights of a multiple of 8 rows are repacked at load into Q4_K_R8 (8 rows interleaved:
-# csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: its one-row product is
-# 1.5-1.9x faster than the one over the file's bytes (Zen 4, one thread, from cache), and the
-# panel GEMM reads it as well. Set to False to compare.
-REPACK_Q4_K = True
+# Q4_K and Q8_0 weights of a multiple of 8 rows are repacked at load into Q4_K_R8 / Q8_0_R8
+# (8 rows interleaved: csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
+# one-row products are faster than those over the file's bytes (Zen 4, one thread, from the
+# cache: Q4_K 1.6x, Q8_0 see docs/quantization.md), and the panel GEMM reads them as well.
+# Set to False to compare.
+REPACK_R8 = True
+# the file's formats that have an interleaved layout, and its name
+_R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8}
 
 
 def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
-    """The weight and its format as the products read them fastest on this machine: Q4_K as
-    a new Q4_K_R8 tensor (see REPACK_Q4_K), anything else as it is (the same tensor)."""
-    if not REPACK_Q4_K or qtype != Q4_K or qweight.shape[0] % 8 or load_native() is None:
+    """The weight and its format as the products read them fastest on this machine: Q4_K /
+    Q8_0 as a new Q4_K_R8 / Q8_0_R8 tensor (see REPACK_R8), anything else as it is (the same
+    tensor)."""
+    if not REPACK_R8 or qtype not in _R8 or qweight.shape[0] % 8 or load_native() is None:
         return qweight, qtype
-    if current_path() != "avx512_vnni" or Q4_K_R8 not in native_formats():
+    if current_path() != "avx512_vnni" or _R8[qtype] not in native_formats():
         return qweight, qtype
-    return repack_q4_k_r8(qweight), Q4_K_R8
+    return repack_r8(qweight, qtype), _R8[qtype]
 
 
-def repack_q4_k_r8(qweight: torch.Tensor) -> torch.Tensor:
-    """Q4_K weights, uint8 [N, K / 256 * 144] with N a multiple of 8, as Q4_K_R8 (a new
-    tensor of the same shape)."""
-    out, n, k = _repack_args(qweight, "repack_q4_k_r8")
+def repack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Q4_K or Q8_0 weights (`qtype`), uint8 [N, row bytes] with N a multiple of 8, in their
+    8-row interleaved layout (a new tensor of the same shape)."""
+    out, n, k = _repack_args(qweight, qtype)
     threads = torch.get_num_threads()
-    _repacked(_kernels().repack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads))
+    lib = _kernels()
+    if qtype == Q4_K:
+        status = lib.repack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
+    else:
+        status = lib.repack_q8_0_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
+    _repacked(status)
     return out
 
 
-def unpack_q4_k_r8(qweight: torch.Tensor) -> torch.Tensor:
-    """Q4_K_R8 weights back as the Q4_K rows they were made from (a new tensor); as
-    `quant_formats.r8_to_q4_k`, natively."""
-    out, n, k = _repack_args(qweight, "unpack_q4_k_r8")
+def unpack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Q4_K_R8 or Q8_0_R8 weights (`qtype`) back as the file's rows they were made from (a
+    new tensor); as `quant_formats.r8_to_q4_k` / `r8_to_q8_0`, natively."""
+    out, n, k = _repack_args(qweight, qtype)
     threads = torch.get_num_threads()
-    _repacked(_kernels().unpack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads))
+    lib = _kernels()
+    if qtype == Q4_K_R8:
+        status = lib.unpack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
+    else:
+        status = lib.unpack_q8_0_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
+    _repacked(status)
     return out
 
 
-def _repack_args(qweight: torch.Tensor, name: str) -> tuple[torch.Tensor, int, int]:
-    """The output of a repack of `qweight`, its N and K; ValueError if it is not a weight of
-    whole 144-byte super-blocks and groups of 8 rows."""
+def _repack_args(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, int, int]:
+    """The output of a repack of `qweight`, its N and K; ValueError if it is not a `qtype`
+    weight (one of the four above) of whole blocks and groups of 8 rows."""
+    if qtype not in (Q4_K, Q8_0, Q4_K_R8, Q8_0_R8):
+        raise ValueError(f"{qtype} has no 8-row interleaved layout (Q4_K and Q8_0 have)")
+    fmt = quant_format(qtype)
     n, row_bytes = qweight.shape
-    if qweight.dtype != torch.uint8 or row_bytes % 144 or n % 8 or not qweight.is_contiguous():
+    if (
+        qweight.dtype != torch.uint8
+        or row_bytes % fmt.nbytes
+        or n % 8
+        or not qweight.is_contiguous()
+    ):
         raise ValueError(
-            f"{name}: the weight is contiguous uint8 [N, K / 256 * 144] with N a multiple of "
-            f"8; got {qweight.dtype} {tuple(qweight.shape)}"
+            f"a {qtype} weight to repack is contiguous uint8 [N, K / {fmt.values} * "
+            f"{fmt.nbytes}] with N a multiple of 8; got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    return torch.empty_like(qweight), n, row_bytes // 144 * QKK
+    return torch.empty_like(qweight), n, row_bytes // fmt.nbytes * fmt.values
 
 
 def _repacked(status: int) -> None:
     if status != 0:
-        raise ValueError(f"repacking Q4_K rows failed (status {status})")
+        raise ValueError(f"repacking rows failed (status {status})")
 
 
 def dequantize_cpu(

@@ -40,9 +40,9 @@ class QuantFormat:
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 Q4_K, Q5_K, Q6_K = "q4_k", "q5_k", "q6_k"
-# Q4_K with every 8 rows interleaved: made at load for the AVX512-VNNI one-row product
-# (kernels/csrc/quant_r8.c has the layout), never found in a file.
-Q4_K_R8 = "q4_k_r8"
+# Q4_K and Q8_0 with every 8 rows interleaved: made at load for the AVX512-VNNI one-row
+# products (kernels/csrc/quant_r8.c has the layouts), never found in a file.
+Q4_K_R8, Q8_0_R8 = "q4_k_r8", "q8_0_r8"
 FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
@@ -55,6 +55,7 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat(Q5_K, 6, 256, 176),
         QuantFormat(Q6_K, 7, 256, 210),
         QuantFormat(Q4_K_R8, 8, 256, 144, 8),  # per row; 8 rows make a group block of 1152
+        QuantFormat(Q8_0_R8, 9, 32, 34, 8),  # 8 rows make a group block of 272
     )
 }
 LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # blocks of 32 (kernels/csrc/quant_legacy.c)
@@ -133,6 +134,8 @@ def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """`qtype` blocks, uint8 [N, K / values * bytes], as the fp32 weight [N, K]."""
     if qtype == Q4_K_R8:
         return dequantize(r8_to_q4_k(qweight), Q4_K)
+    if qtype == Q8_0_R8:
+        return dequantize(r8_to_q8_0(qweight), Q8_0)
     fmt = quant_format(qtype)
     k = in_features(qweight, qtype)
     n = qweight.shape[0]
@@ -197,6 +200,20 @@ def r8_to_q4_k(qweight: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(1, 2).reshape(n, -1).to(torch.uint8)
 
 
+def r8_to_q8_0(qweight: torch.Tensor) -> torch.Tensor:
+    """Q8_0_R8 weights, uint8 [N, K / 32 * 34], back as the Q8_0 rows they were made from (the
+    same shape; the reference of `ae_unpack_q8_0_r8`)."""
+    n = qweight.shape[0]
+    if n % 8:
+        raise ValueError(f"{Q8_0_R8} weights have a multiple of 8 rows, not {n}")
+    g = qweight.reshape(n // 8, -1, 272)  # [groups, blocks, 272]
+    d = g[..., :16].reshape(*g.shape[:2], 8, 2)  # row r's fp16 d
+    chunks = g[..., 16:].reshape(*g.shape[:2], 4, 8, 2, 4) ^ 0x80  # [s][r][h][e]: q as bytes
+    q = chunks.permute(0, 1, 3, 2, 4, 5).reshape(*g.shape[:2], 8, 32)  # [r][8s + 4h + e]
+    blocks = torch.cat([d, q], dim=-1)  # [groups, blocks, r, 34]
+    return blocks.transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """Random valid `qtype` blocks for an [n, k] weight (k a multiple of the block's values):
     random quants, scales in fp16 of moderate size (no inf or NaN), for kernel tests of the
@@ -204,13 +221,15 @@ def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> tor
     fmt = quant_format(qtype)
     if k % fmt.values:
         raise ValueError(f"K={k} is not a multiple of {fmt.values} ({qtype})")
-    if qtype == Q4_K_R8:  # any bytes are valid, but for the fp16 d and dmin of each row
+    if qtype in (Q4_K_R8, Q8_0_R8):  # any bytes are valid, but for each row's fp16 scales
         if n % fmt.row_group:
             raise ValueError(f"N={n} is not a multiple of {fmt.row_group} ({qtype})")
-        shape = (n // 8 * k // 256, 1152)
+        group_bytes, scales = (1152, 16) if qtype == Q4_K_R8 else (272, 8)
+        shape = (n // 8 * k // fmt.values, group_bytes)
         raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
-        scales = torch.rand(raw.shape[0], 16, generator=generator) * (2e-2 - 1e-3) + 1e-3
-        raw[:, :32] = scales.half().view(torch.uint8)
+        lo, hi = (1e-3, 2e-2) if qtype == Q4_K_R8 else (-0.05, 0.05)
+        values = torch.rand(raw.shape[0], scales, generator=generator) * (hi - lo) + lo
+        raw[:, : 2 * scales] = values.half().view(torch.uint8)
         return raw.reshape(n, -1)
     blocks = n * k // fmt.values
     raw = torch.randint(0, 256, (blocks, fmt.nbytes), dtype=torch.uint8, generator=generator)

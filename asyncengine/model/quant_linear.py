@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.kernels.quant_cpu import (
+    decode_layout,
     dequantize_cpu,
     gemm_min_rows,
     linear_quant_cpu,
@@ -63,7 +64,8 @@ class QuantLinear(nn.Module):
         a 1B model (up to 64 MB in bf16) went out to memory and back."""
         n, k = self.out_features, self.in_features
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        rows = max(64, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
+        # whole groups of 8 rows (the interleaved formats slice so)
+        rows = max(64, DEQUANT_CHUNK_BYTES // (k * x.element_size())) // 8 * 8
         if rows >= n:
             weight = dequantize_cpu(self.qweight, self.qtype, x.dtype, _scratch(x.dtype, n, k))
             return F.linear(x, weight, bias)
@@ -147,11 +149,12 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear | None:
-    """A `QuantLinear` of `weight` [N, K] quantized by `quantize_int8_per_channel`; None
-    where K is not a multiple of 32 (the layer stays as it is)."""
+    """A `QuantLinear` of `weight` [N, K] quantized by `quantize_int8_per_channel` (in the
+    layout the products read fastest here: `decode_layout`); None where K is not a multiple
+    of 32 (the layer stays as it is)."""
     if weight.shape[1] % 32:
         return None
-    return QuantLinear(quantize_int8_per_channel(weight), "q8_0", bias)
+    return QuantLinear(*decode_layout(quantize_int8_per_channel(weight), "q8_0"), bias)
 
 
 class QuantEmbedding:

@@ -163,9 +163,10 @@ void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_
                           float *d, int num_threads);
 /* Format codes as quant_formats.FORMATS: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of
  * 32, quant_legacy.c), 5 Q4_K, 6 Q5_K, 7 Q6_K (super-blocks of 256, quant_kquants.c), 8 Q4_K
- * with every 8 rows interleaved (quant_r8.c). */
+ * and 9 Q8_0 with every 8 rows interleaved (quant_r8.c). */
 #define AE_QUANT_Q4_K 5
 #define AE_QUANT_Q4_K_R8 8
+#define AE_QUANT_Q8_0_R8 9
 int ae_quant_formats(void);
 int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
@@ -181,9 +182,12 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
 int ae_quant_gemm_min_rows(void);
 
 /* quant_r8.c: Q4_K weights [N][K / 256 * 144] as Q4_K_R8 (format 8) and back, N a multiple
- * of 8 and K of 256 (0; -2 otherwise); the bytes come back exactly */
+ * of 8 and K of 256 (0; -2 otherwise); Q8_0 ones [N][K / 32 * 34] as Q8_0_R8 (format 9) and
+ * back, K a multiple of 32; the bytes come back exactly */
 int ae_repack_q4_k_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads);
 int ae_unpack_q4_k_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads);
+int ae_repack_q8_0_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads);
+int ae_unpack_q8_0_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads);
 
 /* quant_dequant.c: W's N rows of GGUF blocks (format code fmt) as dtype dt (0 fp32, 1 bf16,
  * 2 fp16) rows of stride o_st in out: 0 on success, -2 when K is not a multiple of the block,
@@ -200,10 +204,11 @@ int ae_linear_kquant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, co
                      int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                      int num_threads);
 
-/* quant_r8.c: ae_linear_quant for format 8 (the same arguments and returns; -2 also where
- * N is not a multiple of 8) */
-int ae_linear_q4k_r8(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                     int64_t K, const void *bias, void *out, int64_t o_st, int num_threads);
+/* quant_r8.c: ae_linear_quant for formats 8 and 9 (the same arguments and returns; -2 also
+ * where N is not a multiple of 8) */
+int ae_linear_r8(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                 int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                 int num_threads);
 
 /* attention.c: ae_paged_attention of bf16 on linear.c's work pool (pool.c), for
  * decode_layers.c: query [T][hq * head_dim] rows of stride q_st, out of stride o_st (heads

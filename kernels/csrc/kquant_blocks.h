@@ -17,6 +17,7 @@ enum {
     FMT_Q5_K = AE_QUANT_Q4_K + 1,
     FMT_Q6_K = AE_QUANT_Q4_K + 2,
     FMT_Q4_K_R8 = AE_QUANT_Q4_K_R8,
+    FMT_Q8_0_R8 = AE_QUANT_Q8_0_R8,
     QK4K_VALUES = 256
 };
 
@@ -97,6 +98,17 @@ static ALWAYS_INLINE void q4k_r8_block(const uint8_t *g, const int r, uint8_t *r
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l++)
             blk[16 + 32 * c + l] = (uint8_t)(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
+}
+
+/* Q8_0_R8 (quant_r8.c): rows 8g..8g+7's block b (32 values) is one group block of Q8R8_BYTES
+ * at w + (g * nb + b) * Q8R8_BYTES, nb = K / 32. */
+#define Q8R8_BYTES 272
+
+/* Row r of a Q8_0_R8 group block as the Q8_0 block it was made from (34 bytes). */
+static ALWAYS_INLINE void q8r8_block(const uint8_t *g, const int r, uint8_t *restrict blk) {
+    memcpy(blk, g + 2 * r, 2);
+    for (int v = 0; v < 32; v++)
+        blk[2 + v] = (uint8_t)(g[16 + 64 * (v / 8) + 4 * (2 * r + (v % 8) / 4) + v % 4] ^ 0x80);
 }
 
 #endif

@@ -58,10 +58,11 @@
 struct fmt_info {
     int values, bytes, sub, offset, has_min;
 };
-static const struct fmt_info FMT[9] = {
+static const struct fmt_info FMT[10] = {
     {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
     {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
     {256, 144, 32, 0, 1}, /* Q4_K_R8: read 8 rows at a time (unpack_group_r8) */
+    {32, 34, 32, 128, 0}, /* Q8_0_R8: the same (unpack_group_q8r8) */
 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -189,6 +190,20 @@ static void unpack_group_r8(const uint8_t *restrict w, int64_t g, int64_t nsb, i
             _mm256_storeu_ps(mn + (i * 8 + j) * PANEL + col,
                              _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mv)));
         }
+    }
+}
+
+/* Rows 8g..8g+7 of Q8_0_R8 weights w (nb blocks a row), their blocks b0 .. b0 + n - 1, as
+ * unpack_row_0 unpacks 8 Q8_0 rows: 64-bit lane r of chunk s is row r's u of values 8s..8s+7
+ * (q + 128 already, quant_r8.c). */
+static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
+                              int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
+                              int col) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *blk = w + (g * nb + b0 + i) * Q8R8_BYTES;
+        for (int s = 0; s < 4; s++)
+            for (int r = 0; r < 8; r++) memcpy(u + r * ld + i * 32 + 8 * s, blk + 16 + 64 * s + 8 * r, 8);
+        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
     }
 }
 
@@ -339,9 +354,10 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads) {
-    if (fmt < 0 || fmt > 8) return -3;
+    if (fmt < 0 || fmt > 9) return -3;
     const struct fmt_info fi = FMT[fmt];
-    if (fmt == AE_QUANT_Q4_K_R8 && N % 8) return -2;
+    const int r8 = fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q8_0_R8;
+    if (r8 && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / fi.values, nb32 = K / 32, S = K / fi.sub, row_bytes = nb * fi.bytes;
@@ -393,10 +409,13 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
                 for (int c = 0; c < PANEL; c++) {
-                    if (c < cols && fmt == AE_QUANT_Q4_K_R8) { /* a group of 8 rows */
-                        if (c % 8 == 0)
+                    if (c < cols && r8) { /* a group of 8 rows */
+                        if (c % 8 == 0 && fmt == AE_QUANT_Q4_K_R8)
                             unpack_group_r8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256, u + c * kc,
                                             kc, sc, mn, c);
+                        else if (c % 8 == 0)
+                            unpack_group_q8r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32, u + c * kc,
+                                              kc, sc, c);
                     } else if (c < cols) {
                         const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
                         unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,

@@ -34,10 +34,19 @@
  * prefetch: with 8 rows' bytes in one stream the hardware's keeps up (a prefetch 4 or 8 KB
  * ahead was 2-4% slower on the layers of a 1B model's Q4_K_M file, Zen 4, 2 threads).
  *
+ * Q8_0_R8 (format 9), the same for Q8_0: rows 8g..8g+7's block b (32 values) is one group
+ * block of Q8R8_BYTES = 8 x 34 bytes at w + (g * nb + b) * 272 (nb = K / 32):
+ *   [0, 16)    d[8], fp16: row r's at 2r
+ *   [16, 272)  4 chunks of 64 bytes: chunk s is step s (values 8s..8s+7 of each row); byte
+ *              4L + e, lane L = 2r + h: q of value 8s + 4h + e of row r, plus 128 (q ^ 0x80),
+ *              so that vpdpbusd takes it as its unsigned operand (the panel GEMM's u too).
+ * Per block and row of x: four vpdpbusd from -128 * sum(a) (the offset's share), one
+ * conversion and one FMA by d * da for 8 rows.
+ *
  * Elsewhere (the AVX2 and scalar paths, or a build without AVX512-VNNI): the rows go back to
- * Q4_K (ae_unpack_q4_k_r8) into a buffer and quant_kquants.c multiplies: correct, slower, for
- * a path chosen after the weights were repacked (tests). Many-row products on the VNNI path
- * run on quant_gemm.c's panels, which read the group blocks directly (unpack_group_r8).
+ * Q4_K / Q8_0 (ae_unpack_*_r8) into a buffer and the file's kernels multiply: correct, slower,
+ * for a path chosen after the weights were repacked (tests). Many-row products on the VNNI
+ * path run on quant_gemm.c's panels, which read the group blocks directly.
  */
 
 #include <stdint.h>
@@ -57,6 +66,7 @@
 
 #define QKK 256
 #define SB_BYTES 144
+#define Q8_BYTES 34 /* a Q8_0 block */
 #define GROUPS_PER_ITEM 2 /* 16 weight rows an item (or more: see linear_r8_vnni) */
 #define MAX_R 4           /* rows of x per tile */
 #define PATH_VNNI 2       /* quant_legacy.c's path code */
@@ -108,6 +118,40 @@ int ae_unpack_q4_k_r8(const void *src, void *dst, int64_t N, int64_t K, int num_
             for (int r = 0; r < 8; r++)
                 q4k_r8_block((const uint8_t *)src + (g * nsb + b) * Q4K_R8_BYTES, r,
                              (uint8_t *)dst + (g * 8 + r) * row_bytes + b * SB_BYTES);
+    return 0;
+}
+
+static void repack_q8_group(const uint8_t *src, int64_t row_bytes, int64_t b, uint8_t *o) {
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *blk = src + r * row_bytes + b * Q8_BYTES;
+        memcpy(o + 2 * r, blk, 2);
+        for (int v = 0; v < 32; v++) { /* step s = v / 8, half h, byte e */
+            const int st = v / 8, h = (v % 8) / 4, e = v % 4;
+            o[16 + 64 * st + 4 * (2 * r + h) + e] = (uint8_t)(blk[2 + v] ^ 0x80);
+        }
+    }
+}
+
+int ae_repack_q8_0_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads) {
+    if (N <= 0 || N % 8 || K <= 0 || K % 32) return -2;
+    const int64_t nb = K / 32, row_bytes = nb * Q8_BYTES;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++)
+            repack_q8_group((const uint8_t *)src + g * 8 * row_bytes, row_bytes, b,
+                            (uint8_t *)dst + (g * nb + b) * Q8R8_BYTES);
+    return 0;
+}
+
+int ae_unpack_q8_0_r8(const void *src, void *dst, int64_t N, int64_t K, int num_threads) {
+    if (N <= 0 || N % 8 || K <= 0 || K % 32) return -2;
+    const int64_t nb = K / 32, row_bytes = nb * Q8_BYTES;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 8; r++)
+                q8r8_block((const uint8_t *)src + (g * nb + b) * Q8R8_BYTES, r,
+                           (uint8_t *)dst + (g * 8 + r) * row_bytes + b * Q8_BYTES);
     return 0;
 }
 
@@ -229,6 +273,43 @@ static ALWAYS_INLINE void tile_r8(const int R, const uint8_t *w, int64_t nsb,
     }
 }
 
+/* Q8_0_R8: R rows of x (a: int8 values; da: one scale per block; mv: per block two int32,
+ * -128 times the sum of a over the values of each half h, the values 8s + 4h + e) against one
+ * group of 8 weight rows of nb blocks. */
+static ALWAYS_INLINE void tile_q8r8(const int R, const uint8_t *w, int64_t nb,
+                                    const struct r8_rows *x, float *res, int64_t res_st) {
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc[MAX_R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = w + b * Q8R8_BYTES;
+        /* d of row r in lanes 2r and 2r + 1 */
+        const __m512 d16 = _mm512_permutexvar_ps(
+            dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o))));
+        const __m512i c0 = _mm512_loadu_si512(o + 16), c1 = _mm512_loadu_si512(o + 80);
+        const __m512i c2 = _mm512_loadu_si512(o + 144), c3 = _mm512_loadu_si512(o + 208);
+        for (int r = 0; r < R; r++) {
+            const int64_t *a = (const int64_t *)(x[r].a + 32 * b);
+            const int32_t *off = (const int32_t *)x[r].mv;
+            /* lanes 2r, 2r + 1 start from the offset's share of their halves' values */
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi64(*(const int64_t *)(off + 2 * b)),
+                                             c0, _mm512_set1_epi64(a[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1,
+                                             _mm512_set1_epi64(a[1]));
+            s0 = _mm512_dpbusd_epi32(s0, c2, _mm512_set1_epi64(a[2]));
+            s1 = _mm512_dpbusd_epi32(s1, c3, _mm512_set1_epi64(a[3]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                     _mm512_mul_ps(d16, _mm512_set1_ps(x[r].da[b])), acc[r]);
+        }
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        _mm256_storeu_ps(res + r * res_st,
+                         _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
+    }
+}
+
 /* ---- the product, item by item ---- */
 
 struct r8_job {
@@ -239,12 +320,16 @@ struct r8_job {
     const void *bias;
     void *out;
     int64_t M, N, K, o_st, per_item; /* groups an item */
-    int dt;
+    int dt, fmt;
 };
 
 static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
     const struct r8_job *j = ctx;
-    const int64_t nsb = j->K / QKK, g0 = item * j->per_item;
+    const int q8 = j->fmt == AE_QUANT_Q8_0_R8;
+    /* blocks a row, their int16 / int32 sums of a a row (mv), group block bytes */
+    const int64_t nblk = q8 ? j->K / 32 : j->K / QKK, mv_row = q8 ? 4 * nblk : 64 * nblk;
+    const int64_t gb = q8 ? Q8R8_BYTES : Q4K_R8_BYTES;
+    const int64_t g0 = item * j->per_item;
     const int64_t g1 = g0 + j->per_item < j->N / 8 ? g0 + j->per_item : j->N / 8;
     const int64_t n0 = 8 * g0, cols = 8 * (g1 - g0);
     float *res = ae_thread_scratch((size_t)(j->M * cols + cols));
@@ -252,16 +337,25 @@ static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commi
         const int R = j->M - m < MAX_R ? (int)(j->M - m) : MAX_R;
         struct r8_rows x[MAX_R];
         for (int r = 0; r < R; r++)
-            x[r] = (struct r8_rows){j->a + (m + r) * j->K, j->mv + (m + r) * nsb * 64,
-                                    j->da + (m + r) * nsb};
+            x[r] = (struct r8_rows){j->a + (m + r) * j->K, j->mv + (m + r) * mv_row,
+                                    j->da + (m + r) * nblk};
         for (int64_t g = g0; g < g1; g++) {
-            const uint8_t *w = j->w + g * nsb * Q4K_R8_BYTES;
+            const uint8_t *w = j->w + g * nblk * gb;
             float *rg = res + m * cols + 8 * (g - g0);
-            switch (R) { /* one inlined copy per R */
-            case 1: tile_r8(1, w, nsb, x, rg, cols); break;
-            case 2: tile_r8(2, w, nsb, x, rg, cols); break;
-            case 3: tile_r8(3, w, nsb, x, rg, cols); break;
-            default: tile_r8(4, w, nsb, x, rg, cols); break;
+            if (q8) {
+                switch (R) { /* one inlined copy per R */
+                case 1: tile_q8r8(1, w, nblk, x, rg, cols); break;
+                case 2: tile_q8r8(2, w, nblk, x, rg, cols); break;
+                case 3: tile_q8r8(3, w, nblk, x, rg, cols); break;
+                default: tile_q8r8(4, w, nblk, x, rg, cols); break;
+                }
+            } else {
+                switch (R) {
+                case 1: tile_r8(1, w, nblk, x, rg, cols); break;
+                case 2: tile_r8(2, w, nblk, x, rg, cols); break;
+                case 3: tile_r8(3, w, nblk, x, rg, cols); break;
+                default: tile_r8(4, w, nblk, x, rg, cols); break;
+                }
             }
         }
     }
@@ -277,32 +371,45 @@ static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commi
     ae_commit_end(commit);
 }
 
-static int linear_r8_vnni(int dt, const void *x, int64_t x_st, int64_t M, const void *w,
-                          int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
-                          int num_threads) {
+static int linear_r8_vnni(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
+                          const void *w, int64_t N, int64_t K, const void *bias, void *out,
+                          int64_t o_st, int num_threads) {
+    const int q8 = fmt == AE_QUANT_Q8_0_R8;
     const int64_t nsb = K / QKK, nb = K / 32;
     /* x's rows where the item's threads read them: the pool's buffer when the caller holds
      * the pool (a late helper may read it after this call), else fresh memory. Floats first,
-     * then the int16 pairs, then the bytes (each part a multiple of 64 bytes). */
+     * then the sums (Q4_K: int16 pairs, 128 bytes a super-block; Q8_0: two int32 a block),
+     * then the bytes (each part a multiple of 64 bytes). */
     const size_t d_bytes = (size_t)(M * nb) * 4 + (size_t)(M * nsb) * 4;
-    const size_t mv_bytes = (size_t)(M * nsb) * 128, q_bytes = (size_t)(M * K);
-    const size_t head = (d_bytes + 63) / 64 * 64;
-    const size_t bytes = head + mv_bytes + q_bytes;
+    const size_t mv_bytes = (size_t)(M * (q8 ? nb * 8 : nsb * 128)), q_bytes = (size_t)(M * K);
+    const size_t head = (d_bytes + 63) / 64 * 64, mv_pad = (mv_bytes + 63) / 64 * 64;
+    const size_t bytes = head + mv_pad + q_bytes;
     const int pooled = ae_linear_use_pool(M, num_threads);
     char *buf = pooled ? ae_pool_buffer(0, bytes) : aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (buf == NULL) {
         if (pooled) ae_pool_release();
         return -1;
     }
-    float *da32 = (float *)buf, *da = da32 + M * nb;
+    float *da32 = (float *)buf, *da = q8 ? da32 : da32 + M * nb;
     int16_t *mv = (int16_t *)(buf + head);
-    int8_t *qa = (int8_t *)(buf + head + mv_bytes);
-    ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da32, pooled ? 1 : num_threads);
-    for (int64_t m = 0; m < M; m++)
-        row_sums(qa + m * K, da32 + m * nb, K, mv + m * nsb * 64, da + m * nsb);
+    int8_t *qa = (int8_t *)(buf + head + mv_pad);
+    if (q8) {
+        ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da32, pooled ? 1 : num_threads);
+        int32_t *off = (int32_t *)mv; /* the offset's share of each half's sums (see above) */
+        for (int64_t i = 0; i < M * nb; i++) {
+            int32_t s[2] = {0, 0};
+            for (int v = 0; v < 32; v++) s[(v % 8) / 4] += qa[32 * i + v];
+            off[2 * i] = -128 * s[0];
+            off[2 * i + 1] = -128 * s[1];
+        }
+    } else {
+        ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da32, pooled ? 1 : num_threads);
+        for (int64_t m = 0; m < M; m++)
+            row_sums(qa + m * K, da32 + m * nb, K, mv + m * nsb * 64, da + m * nsb);
+    }
     int64_t per_item = GROUPS_PER_ITEM;
     while ((N / 8 + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += GROUPS_PER_ITEM;
-    const struct r8_job job = {w, qa, mv, da, bias, out, M, N, K, o_st, per_item, dt};
+    const struct r8_job job = {w, qa, mv, da, bias, out, M, N, K, o_st, per_item, dt, fmt};
     const int64_t items = (N / 8 + per_item - 1) / per_item;
     ae_linear_run_items(pooled, r8_item, &job, sizeof job, items, num_threads);
     if (pooled) ae_pool_release();
@@ -312,20 +419,25 @@ static int linear_r8_vnni(int dt, const void *x, int64_t x_st, int64_t M, const 
 
 #endif /* HAVE_R8 */
 
-int ae_linear_q4k_r8(int dt, const void *x, int64_t x_st, int64_t M, const void *w, int64_t N,
-                     int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
-    if (K <= 0 || K % QKK || N % 8) return -2;
+int ae_linear_r8(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
+                 int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
+                 int num_threads) {
+    if (fmt != AE_QUANT_Q4_K_R8 && fmt != AE_QUANT_Q8_0_R8) return -3;
+    const int q8 = fmt == AE_QUANT_Q8_0_R8;
+    if (K <= 0 || K % (q8 ? 32 : QKK) || N % 8) return -2;
     if (M <= 0 || N <= 0) return 0;
 #ifdef HAVE_R8
     if (ae_quant_set_path(-2) == PATH_VNNI)
-        return linear_r8_vnni(dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+        return linear_r8_vnni(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
 #endif
-    /* another path: the rows back as Q4_K, multiplied there */
-    void *q4k = malloc((size_t)(N * (K / QKK) * SB_BYTES));
-    if (q4k == NULL) return -1;
-    ae_unpack_q4_k_r8(w, q4k, N, K, num_threads);
-    const int r = ae_linear_kquant(FMT_Q4_K, dt, x, x_st, M, q4k, N, K, bias, out, o_st,
-                                   num_threads);
-    free(q4k);
+    /* another path: the rows back in the file's format, multiplied there */
+    const int64_t row_bytes = q8 ? K / 32 * Q8_BYTES : K / QKK * SB_BYTES;
+    void *rows = malloc((size_t)(N * row_bytes));
+    if (rows == NULL) return -1;
+    if (q8) ae_unpack_q8_0_r8(w, rows, N, K, num_threads);
+    else ae_unpack_q4_k_r8(w, rows, N, K, num_threads);
+    const int r = ae_linear_quant(q8 ? 0 : AE_QUANT_Q4_K, dt, x, x_st, M, rows, N, K, bias, out,
+                                  o_st, num_threads);
+    free(rows);
     return r;
 }
