@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ae_vec.h"
 #include "bf16.h"
 #include "pool.h"
 
@@ -40,6 +41,25 @@ static inline float ae_product_value(const float *res, const void *bias, int64_t
     float v = *res;
     if (bias) v += bf16_to_f32(((const uint16_t *)bias)[n]);
     return bf16_to_f32(f32_to_bf16(v));
+}
+
+/* An item's M rows of `cols` fp32 sums (res, row stride cols; res + M * cols holds cols more
+ * floats of room for the bias) plus bias (dtype dt, or NULL) stored as dt into out's columns
+ * n0.. (row stride o_st), if this thread commits the item (see pool.h); the quantized
+ * products' items end so. */
+static inline void ae_commit_rows(const struct ae_commit *commit, float *res, int64_t M,
+                                  int64_t cols, const void *bias, int dt, void *out,
+                                  int64_t o_st, int64_t n0) {
+    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
+    float *b = res + M * cols;
+    if (bias) load_f32((const char *)bias + n0 * elem_size(dt), b, cols, dt);
+    for (int64_t m = 0; m < M; m++) {
+        float *row = res + m * cols;
+        if (bias)
+            for (int64_t c = 0; c < cols; c++) row[c] += b[c];
+        store_f32((char *)out + (m * o_st + n0) * elem_size(dt), row, cols, dt);
+    }
+    ae_commit_end(commit);
 }
 
 #endif

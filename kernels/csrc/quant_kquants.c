@@ -556,16 +556,7 @@ static void kquant_item(const void *ctx, int64_t item, const struct ae_commit *c
     if (j->fmt == FMT_Q4_K) FMT_PATHS(FMT_Q4_K);
     else if (j->fmt == FMT_Q5_K) FMT_PATHS(FMT_Q5_K);
     else FMT_PATHS(FMT_Q6_K);
-    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
-    float *bias = res + j->M * cols;
-    if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
-    for (int64_t m = 0; m < j->M; m++) {
-        float *row = res + m * cols;
-        if (j->bias)
-            for (int64_t c = 0; c < cols; c++) row[c] += bias[c];
-        store_f32((char *)j->out + (m * j->o_st + n0) * elem_size(j->dt), row, cols, j->dt);
-    }
-    ae_commit_end(commit);
+    ae_commit_rows(commit, res, j->M, cols, j->bias, j->dt, j->out, j->o_st, n0);
 }
 
 /* Bit f set for each K-quant format code f this file runs. */

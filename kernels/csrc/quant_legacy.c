@@ -773,16 +773,7 @@ static void quant_item(const void *ctx, int64_t item, const struct ae_commit *co
         ITEM_ROWS_CASE(FMT_Q5_1)
         default: abort();
     }
-    if (!ae_commit_begin(commit)) return; /* another thread committed this item */
-    float *bias = res + j->M * cols;
-    if (j->bias) load_f32((const char *)j->bias + n0 * elem_size(j->dt), bias, cols, j->dt);
-    for (int64_t m = 0; m < j->M; m++) {
-        float *row = res + m * cols;
-        if (j->bias)
-            for (int64_t c = 0; c < cols; c++) row[c] += bias[c];
-        store_f32((char *)j->out + (m * j->o_st + n0) * elem_size(j->dt), row, cols, j->dt);
-    }
-    ae_commit_end(commit);
+    ae_commit_rows(commit, res, j->M, cols, j->bias, j->dt, j->out, j->o_st, n0);
 }
 
 static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
