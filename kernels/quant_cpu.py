@@ -323,7 +323,7 @@ def _product(
 # Q4_K and Q8_0 weights of a multiple of 8 rows are repacked at load into Q4_K_R8 / Q8_0_R8
 # (8 rows interleaved: csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
 # one-row products are faster than those over the file's bytes (Zen 4, one thread, from the
-# cache: Q4_K 1.6x, Q8_0 see docs/quantization.md), and the panel GEMM reads them as well.
+# cache: Q4_K 1.6x, Q8_0 2.3x; docs/quantization.md), and the panel GEMM reads them as well.
 # Set to False to compare.
 REPACK_R8 = True
 # the file's formats that have an interleaved layout, and its name
@@ -344,34 +344,25 @@ def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]
 def repack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """Q4_K or Q8_0 weights (`qtype`), uint8 [N, row bytes] with N a multiple of 8, in their
     8-row interleaved layout (a new tensor of the same shape)."""
-    out, n, k = _repack_args(qweight, qtype)
-    threads = torch.get_num_threads()
-    lib = _kernels()
-    if qtype == Q4_K:
-        status = lib.repack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
-    else:
-        status = lib.repack_q8_0_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
-    _repacked(status)
+    out, args, lib = _repack_args(qweight, qtype)
+    _repacked(lib.repack_q4_k_r8(*args) if qtype == Q4_K else lib.repack_q8_0_r8(*args))
     return out
 
 
 def unpack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """Q4_K_R8 or Q8_0_R8 weights (`qtype`) back as the file's rows they were made from (a
     new tensor); as `quant_formats.r8_to_q4_k` / `r8_to_q8_0`, natively."""
-    out, n, k = _repack_args(qweight, qtype)
-    threads = torch.get_num_threads()
-    lib = _kernels()
-    if qtype == Q4_K_R8:
-        status = lib.unpack_q4_k_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
-    else:
-        status = lib.unpack_q8_0_r8(qweight.data_ptr(), out.data_ptr(), n, k, threads)
-    _repacked(status)
+    out, args, lib = _repack_args(qweight, qtype)
+    _repacked(lib.unpack_q4_k_r8(*args) if qtype == Q4_K_R8 else lib.unpack_q8_0_r8(*args))
     return out
 
 
-def _repack_args(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, int, int]:
-    """The output of a repack of `qweight`, its N and K; ValueError if it is not a `qtype`
-    weight (one of the four above) of whole blocks and groups of 8 rows."""
+def _repack_args(
+    qweight: torch.Tensor, qtype: str
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int], NativeKernels]:
+    """The output of a repack of `qweight`, the native call's arguments (source, output, N,
+    K, threads) and the library; ValueError if it is not a `qtype` weight (one of the four
+    above) of whole blocks and groups of 8 rows."""
     if qtype not in (Q4_K, Q8_0, Q4_K_R8, Q8_0_R8):
         raise ValueError(f"{qtype} has no 8-row interleaved layout (Q4_K and Q8_0 have)")
     fmt = quant_format(qtype)
@@ -386,7 +377,10 @@ def _repack_args(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, int, 
             f"a {qtype} weight to repack is contiguous uint8 [N, K / {fmt.values} * "
             f"{fmt.nbytes}] with N a multiple of 8; got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    return torch.empty_like(qweight), n, row_bytes // fmt.nbytes * fmt.values
+    out = torch.empty_like(qweight)
+    k = row_bytes // fmt.nbytes * fmt.values
+    args = (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out, args, _kernels()
 
 
 def _repacked(status: int) -> None:

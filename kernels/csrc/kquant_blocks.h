@@ -67,14 +67,18 @@ static ALWAYS_INLINE void unpack_sb(int fmt, const uint8_t *blk, uint8_t *restri
  */
 #define Q4K_R8_BYTES 1152
 
+/* The 6-bit scale and min of row r's sub-block j in a group block, e = 8j + r. */
+static ALWAYS_INLINE void q4k_r8_scale_min(const uint8_t *g, const int e, uint8_t *restrict sc,
+                                           uint8_t *restrict m) {
+    const int a = g[32 + e], nib = g[96 + e % 32] >> (e < 32 ? 0 : 4);
+    *sc = (uint8_t)(a & 63);
+    *m = (uint8_t)(((a >> 6) << 4) | (nib & 15));
+}
+
 /* Row r's sc, m (8 each) and values (256, 0..15, in element order) of a group block. */
 static ALWAYS_INLINE void q4k_r8_unpack(const uint8_t *g, const int r, uint8_t *restrict sc,
                                         uint8_t *restrict m, uint8_t *restrict q) {
-    for (int j = 0; j < 8; j++) {
-        const int e = 8 * j + r, a = g[32 + e], nib = g[96 + e % 32] >> (e < 32 ? 0 : 4);
-        sc[j] = (uint8_t)(a & 63);
-        m[j] = (uint8_t)(((a >> 6) << 4) | (nib & 15));
-    }
+    for (int j = 0; j < 8; j++) q4k_r8_scale_min(g, 8 * j + r, &sc[j], &m[j]);
     for (int c = 0; c < 16; c++) /* chunk c: steps 2c (low nibbles) and 2c + 1 (high) */
         for (int h = 0; h < 2; h++)
             for (int e = 0; e < 4; e++) {

@@ -176,12 +176,7 @@ static void unpack_group_r8(const uint8_t *restrict w, int64_t g, int64_t nsb, i
         uint8_t s[8], m[8];
         /* the 8 rows' 6-bit scales and mins (few beside the values) */
         for (int j = 0; j < 8; j++) {
-            for (int r = 0; r < 8; r++) {
-                const int e = 8 * j + r, a = blk[32 + e];
-                const int nib = blk[96 + e % 32] >> (e < 32 ? 0 : 4);
-                s[r] = (uint8_t)(a & 63);
-                m[r] = (uint8_t)(((a >> 6) << 4) | (nib & 15));
-            }
+            for (int r = 0; r < 8; r++) q4k_r8_scale_min(blk, 8 * j + r, &s[r], &m[r]);
             const __m256 sv =
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
             const __m256 mv =
@@ -202,8 +197,10 @@ static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, 
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *blk = w + (g * nb + b0 + i) * Q8R8_BYTES;
         for (int s = 0; s < 4; s++)
-            for (int r = 0; r < 8; r++) memcpy(u + r * ld + i * 32 + 8 * s, blk + 16 + 64 * s + 8 * r, 8);
-        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+            for (int r = 0; r < 8; r++)
+                memcpy(u + r * ld + i * 32 + 8 * s, blk + 16 + 64 * s + 8 * r, 8);
+        const __m128i d = _mm_loadu_si128((const __m128i *)blk);
+        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
     }
 }
 

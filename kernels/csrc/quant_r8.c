@@ -256,8 +256,9 @@ static ALWAYS_INLINE void tile_r8(const int R, const uint8_t *w, int64_t nsb,
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
                                      _mm512_mul_ps(d16, _mm512_set1_ps(da)), acc[r]);
             const int16_t *mv = x[r].mv + 64 * b;
-            const __m512i ms = _mm512_add_epi32(_mm512_madd_epi16(m16a, _mm512_loadu_si512(mv)),
-                                                _mm512_madd_epi16(m16b, _mm512_loadu_si512(mv + 32)));
+            const __m512i ms =
+                _mm512_add_epi32(_mm512_madd_epi16(m16a, _mm512_loadu_si512(mv)),
+                                 _mm512_madd_epi16(m16b, _mm512_loadu_si512(mv + 32)));
             const __m256i ms8 = _mm256_add_epi32(_mm512_castsi512_si256(ms),
                                                  _mm512_extracti64x4_epi64(ms, 1));
             accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms8),
