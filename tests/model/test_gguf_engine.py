@@ -432,3 +432,43 @@ def test_q4_k_projections_load_as_q4_k_r8_on_the_vnni_path(
     repacked = _greedy(tiny.path)
     monkeypatch.setattr(quant_cpu, "REPACK_R8", False)
     assert _greedy(tiny.path) == repacked
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [("qwen2", Q.Q8_0), ("llama", Q.Q4_K)],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_projections_of_one_quantized_type_are_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, qtype: Q
+) -> None:
+    """q/k/v (with qwen2's biases) and gate/up of one type load as one layer each, with the
+    separate layers' greedy tokens; where v is another type (Q4_K_M's mix) q/k/v stay
+    separate and gate/up are still joined."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.model import gguf_checkpoint
+    from asyncengine.model.quant_linear import QuantLinear
+
+    shapes = K_SHAPES if qtype is Q.Q4_K else Shapes()
+    tiny = write_tiny_gguf(tmp_path / "j.gguf", arch, weight_type=qtype, shapes=shapes, seed=9)
+    config = EngineConfig.from_kwargs(tiny.path, device="cpu", dtype="bfloat16")
+    layer = gguf_checkpoint.load_gguf_forward(config.model_config)._layers[0]
+    s = tiny.shapes
+    assert layer.q_proj is None and layer.gate_proj is None and layer.up_proj is None
+    assert isinstance(layer.qkv, QuantLinear) and isinstance(layer.gate_up, QuantLinear)
+    assert layer.qkv.out_features == (s.heads + 2 * s.kv_heads) * s.head_dim
+    assert (layer.qkv.bias is not None) == (arch == "qwen2")
+    assert layer.gate_up.out_features == 2 * s.intermediate
+    joined = _greedy(tiny.path)
+    monkeypatch.setattr(gguf_checkpoint, "JOIN_QUANTIZED", False)
+    assert _greedy(tiny.path) == joined
+    monkeypatch.undo()
+
+    mix = write_tiny_gguf(
+        tmp_path / "mix.gguf", arch, weight_type=qtype, shapes=shapes, seed=9,
+        type_overrides={"v_proj": Q.Q6_K if qtype is Q.Q4_K else Q.Q4_0},
+    )  # fmt: skip
+    config = EngineConfig.from_kwargs(mix.path, device="cpu", dtype="bfloat16")
+    layer = gguf_checkpoint.load_gguf_forward(config.model_config)._layers[0]
+    assert layer.qkv is None and isinstance(layer.v_proj, QuantLinear)
+    assert isinstance(layer.gate_up, QuantLinear)
