@@ -137,12 +137,16 @@ def test_quiesce_waits_for_a_helper_still_inside_an_item(preempted_helpers: None
     """A helper asleep in an item after the call returned (taken over by the caller) still
     counts as inside it: quiesce waits for it, so memory the item reads may then be freed."""
     assert LIB is not None
-    layer = _linear(8192, 256, seed=3)
+    # A product long enough (about a millisecond) that a helper woken for it gets to claim an
+    # item even where another process holds the other core for a while.
+    layer = _linear(32768, 256, seed=3)
     x = torch.randn(1, 256).to(torch.bfloat16)
     strict = linear_cpu.set_pool_strict(False)  # jobs return before their helpers leave
     linear_cpu.delay_pool_helpers(200_000_000)  # 0.2 s: the call returns long before
     busy = False
-    for _ in range(1000):  # until a helper has claimed an item (when it wakes is the machine's)
+    deadline = time.monotonic() + 30
+    # until a helper has claimed an item (when it wakes is the machine's)
+    while time.monotonic() < deadline:
         layer(x)
         if LIB.pool_quiesce(0) == 0:  # a helper is inside an item right after the call
             busy = True
