@@ -156,21 +156,18 @@ class _Loader:
     def joint_linear(
         self, weights: list[GGUFTensor], biases: list[GGUFTensor | None]
     ) -> nn.Module | None:
-        """One layer computing these quantized weights' products side by side (their rows
-        joined, in the layout `decode_layout` picks), where they share a type and all or
-        none have biases; None otherwise. One product instead of several reads the weights
+        """One layer computing these quantized (not float) weights' products side by side
+        (their rows joined, in the layout `decode_layout` picks), where they share a type and
+        all or none have biases; None otherwise. One product instead of several reads the weights
         in one stream with one handoff to the threads (kernels/csrc/decode_layers.c)."""
-        types = {w.ggml_type for w in weights}
         if not JOIN_QUANTIZED:
             return None
+        types = {w.ggml_type for w in weights}
         has_bias = [b is not None for b in biases]
         if len(types) != 1 or any(has_bias) != all(has_bias):
             return None
-        (ggml_type,) = types
-        if ggml_type not in _QTYPES:
-            return None
         blocks = torch.cat([self.blocks(w) for w in weights])
-        blocks, qtype = decode_layout(blocks, _QTYPES[ggml_type])
+        blocks, qtype = decode_layout(blocks, _QTYPES[types.pop()])
         for w in weights:
             w.release_pages()
         bias = None

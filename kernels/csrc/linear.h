@@ -43,22 +43,29 @@ static inline float ae_product_value(const float *res, const void *bias, int64_t
     return bf16_to_f32(f32_to_bf16(v));
 }
 
+/* M rows of `cols` fp32 sums (res, row stride res_st) plus bias (dtype dt, or NULL; read
+ * into bias_buf, room for cols floats) stored as dt into out's columns n0.. (row stride
+ * o_st): how the quantized products end. */
+static inline void ae_store_rows(float *res, int64_t res_st, int64_t M, int64_t cols,
+                                 const void *bias, float *bias_buf, int dt, void *out,
+                                 int64_t o_st, int64_t n0) {
+    if (bias) load_f32((const char *)bias + n0 * elem_size(dt), bias_buf, cols, dt);
+    for (int64_t m = 0; m < M; m++) {
+        float *row = res + m * res_st;
+        if (bias)
+            for (int64_t c = 0; c < cols; c++) row[c] += bias_buf[c];
+        store_f32((char *)out + (m * o_st + n0) * elem_size(dt), row, cols, dt);
+    }
+}
+
 /* An item's M rows of `cols` fp32 sums (res, row stride cols; res + M * cols holds cols more
- * floats of room for the bias) plus bias (dtype dt, or NULL) stored as dt into out's columns
- * n0.. (row stride o_st), if this thread commits the item (see pool.h); the quantized
- * products' items end so. */
+ * floats of room for the bias) stored by ae_store_rows, if this thread commits the item (see
+ * pool.h); the quantized products' items end so. */
 static inline void ae_commit_rows(const struct ae_commit *commit, float *res, int64_t M,
                                   int64_t cols, const void *bias, int dt, void *out,
                                   int64_t o_st, int64_t n0) {
     if (!ae_commit_begin(commit)) return; /* another thread committed this item */
-    float *b = res + M * cols;
-    if (bias) load_f32((const char *)bias + n0 * elem_size(dt), b, cols, dt);
-    for (int64_t m = 0; m < M; m++) {
-        float *row = res + m * cols;
-        if (bias)
-            for (int64_t c = 0; c < cols; c++) row[c] += b[c];
-        store_f32((char *)out + (m * o_st + n0) * elem_size(dt), row, cols, dt);
-    }
+    ae_store_rows(res, cols, M, cols, bias, res + M * cols, dt, out, o_st, n0);
     ae_commit_end(commit);
 }
 

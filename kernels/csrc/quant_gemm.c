@@ -35,6 +35,7 @@
 #include "ae_kernels.h"
 #include "ae_vec.h"
 #include "kquant_blocks.h"
+#include "linear.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -431,13 +432,7 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
                         panel, sc, mn, &xr, m, k0, kc, k0 == 0, res + m * PANEL);
                 }
             }
-            if (bias) load_f32((const char *)bias + n0 * elem_size(dt), bias_row, cols, dt);
-            for (int64_t m = 0; m < M; m++) {
-                float *row = res + m * PANEL;
-                if (bias)
-                    for (int64_t c = 0; c < cols; c++) row[c] += bias_row[c];
-                store_f32((char *)out + (m * o_st + n0) * elem_size(dt), row, cols, dt);
-            }
+            ae_store_rows(res, PANEL, M, cols, bias, bias_row, dt, out, o_st, n0);
         }
         free(buf);
     }
