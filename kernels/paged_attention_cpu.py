@@ -48,6 +48,23 @@ def plan_paged_attention_cpu(
     dtype: torch.dtype,
     native_max_query_len: int = NATIVE_MAX_QUERY_LEN,
 ) -> CpuAttentionPlan:
+    num_seqs = len(seq_lens)
+    decode = list(query_start_loc) == list(range(num_seqs + 1))  # one query token each
+    if num_seqs and native_max_query_len >= 1 and decode:
+        # A decode step: the same plan without the general path's dozen numpy ops.
+        nb = -(-max(seq_lens) // block_size)
+        # A new [B, nb] table: a slice's `.to().contiguous()` of one row keeps the wider
+        # row stride (torch ignores the strides of size-1 dims), which the kernel reads.
+        table = torch.empty(num_seqs, nb, dtype=torch.int32)
+        table.copy_(block_table[:, :nb])
+        return CpuAttentionPlan(
+            q_start=torch.arange(num_seqs, dtype=torch.int64),
+            q_lens=torch.ones(num_seqs, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
+            prefills=[],
+            num_threads=torch.get_num_threads(),
+        )
     starts = np.asarray(query_start_loc, dtype=np.int64)
     q_lens = np.diff(starts)
     lens = np.asarray(seq_lens, dtype=np.int64)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.kernels.argmax_cpu import argmax_cpu
 from asyncengine.kernels.lm_head_argmax_cpu import ARGMAX_MAX_ROWS, LmHeadArgmax
 from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 from asyncengine.kernels.rotary_cpu import rotary_cpu
@@ -49,6 +50,7 @@ from asyncengine.model.decode_layers import NativeDecodeLayers
 from asyncengine.model.interface import TokenChoice
 from asyncengine.model.lean_layer import LeanLayer
 from asyncengine.model.lora_layers import LoRABatch
+from asyncengine.model.quant_linear import QuantLinear
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaDecoderLayer",
@@ -103,6 +105,11 @@ class CpuForward:
         self.lm_head_argmax = _lm_head_argmax(lm_head)
         # Its row limit: also the lm_head's native one, so its indices are of the same logits.
         self._argmax_rows = min(ARGMAX_MAX_ROWS, getattr(lm_head, "native_max_rows", 0))
+        # A quantized lm_head has no screen (its blocks are already about the screen's bytes),
+        # but its steps still pick their tokens here, from the logits, in one native pass:
+        # the sampler's Python and torch ops cost a one-stream step of a small model ~0.1 ms
+        # (more with the caches cold after the layers' weights went through them).
+        self._pick_from_logits = isinstance(lm_head, QuantLinear) and lm_head.native
 
     @classmethod
     def from_model(cls, model: nn.Module) -> CpuForward:
@@ -124,7 +131,9 @@ class CpuForward:
 
     @property
     def token_choice_rows(self) -> int:
-        """The most rows it picks tokens for itself (ModelForward); 0 without the screen."""
+        """The most rows it picks tokens for itself (ModelForward); 0 where it cannot."""
+        if self._pick_from_logits:
+            return ARGMAX_MAX_ROWS
         return self._argmax_rows if self.lm_head_argmax is not None else 0
 
     def linear_layers(self) -> list[nn.Module]:
@@ -185,6 +194,10 @@ class CpuForward:
             if tokens is not None:  # else a row's logits are not finite: compute them
                 return tokens
         logits: torch.Tensor = self._lm_head(hidden)
+        if choice is not None and self._pick_from_logits and len(hidden) <= ARGMAX_MAX_ROWS:
+            tokens = pick_tokens(logits, choice)
+            if tokens is not None:  # else a row has a NaN logit: the sampler flags it
+                return tokens
         return logits
 
     def _layers_loop(
@@ -223,6 +236,22 @@ class CpuForward:
             mlp = _mlp(layer, x) if lora is None else (None, lora.mlp(i, layer, x))
         assert mlp is not None
         return mlp
+
+
+def pick_tokens(logits: torch.Tensor, choice: TokenChoice) -> torch.Tensor | None:
+    """The tokens `choice` describes, from `logits` [S, >= vocab]: the sampler's arithmetic
+    (Sampler._sample) on the same noise, so bit for bit its picks. None where a row holds a
+    NaN logit (argmax ranks NaN first; the sampler then fails that request alone)."""
+    x = logits[:, : choice.vocab_size]
+    tokens = argmax_cpu(x)  # [S]
+    if choice.temperatures is not None and choice.noise is not None:
+        x = x.float()
+        temps = choice.temperatures
+        scores = (x / temps.unsqueeze(1)).add_(choice.noise[:, : choice.vocab_size])
+        tokens = torch.where(temps == 0, tokens, argmax_cpu(scores))
+    if x.gather(1, tokens[:, None]).isnan().any():
+        return None
+    return tokens
 
 
 def _lm_head_argmax(lm_head: nn.Module) -> LmHeadArgmax | None:

@@ -61,6 +61,7 @@ class NativeDecodeLayers:
         self.max_tokens = max_tokens
         self._dims = dims
         self._eps, self._head_eps, self._scale = eps, head_eps, scale
+        self._cache_addresses: tuple[int, ...] = ()  # the KV caches `table` points at
 
     @classmethod
     def build(cls, layers: list[LeanLayer], head_dim: int) -> NativeDecodeLayers | None:
@@ -113,10 +114,14 @@ class NativeDecodeLayers:
             return None
         if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
             return None
-        if len(caches) != self._table.shape[0] or any(
-            c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches
-        ):
-            return None
+        addresses = tuple(c.data_ptr() for c in caches)
+        if addresses != self._cache_addresses:  # checked and written once per set of caches
+            if len(caches) != self._table.shape[0] or any(
+                c.dtype != torch.bfloat16 or not c.is_contiguous() for c in caches
+            ):
+                return None
+            self._table[:, _FIELD["kv_cache"]] = torch.tensor(addresses)
+            self._cache_addresses = addresses
         segments = None
         if lora is not None:
             segments = lora.native_segments()
@@ -125,7 +130,6 @@ class NativeDecodeLayers:
                 for w, _ in lora.adapters
             ):
                 return None
-        self._table[:, _FIELD["kv_cache"]] = torch.tensor([c.data_ptr() for c in caches])
         return decode_layers_bf16(
             self._lib, self._table, self._dims, residual,
             cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous(),

@@ -120,3 +120,20 @@ def test_decode_over_long_context_and_many_threads() -> None:
     plan.num_threads = 3  # more threads than this machine's cores still splits the work
     out = paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, 0.125)
     assert max_error(out, dense_attention(b, 0.125)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_a_decode_steps_plan_has_a_block_table_of_its_own_width(num_seqs: int) -> None:
+    """A decode-only step's plan (its own short path): one query token per sequence, and a
+    block table cut to the blocks the longest sequence uses, with rows of exactly that width
+    (the kernel walks rows by the stride; a wider one once made a one-row decode hang)."""
+    seq_lens = [17, 40, 3][:num_seqs]
+    table = torch.arange(num_seqs * 9, dtype=torch.int64).view(num_seqs, 9)  # 9 > needed
+    plan = plan_paged_attention_cpu(list(range(num_seqs + 1)), seq_lens, table, 16, torch.bfloat16)
+    nb = -(-max(seq_lens) // 16)
+    assert plan.prefills == []
+    assert plan.q_start.tolist() == list(range(num_seqs))
+    assert plan.q_lens.tolist() == [1] * num_seqs and plan.q_lens.dtype == torch.int32
+    assert plan.seq_lens.tolist() == seq_lens and plan.seq_lens.dtype == torch.int32
+    assert plan.block_table.dtype == torch.int32 and plan.block_table.stride() == (nb, 1)
+    assert torch.equal(plan.block_table, table[:, :nb].to(torch.int32))

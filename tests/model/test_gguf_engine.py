@@ -242,6 +242,7 @@ def test_a_q4_k_m_like_mix_of_types_runs(tmp_path: Path) -> None:
 
 def test_quantized_weights_stay_quantized_and_tied_lm_head_gives_logits(tmp_path: Path) -> None:
     from asyncengine.config import EngineConfig
+    from asyncengine.kernels.lm_head_argmax_cpu import ARGMAX_MAX_ROWS
     from asyncengine.model.gguf_checkpoint import load_gguf_forward
     from asyncengine.model.quant_linear import QuantEmbedding, QuantLinear
 
@@ -252,8 +253,10 @@ def test_quantized_weights_stay_quantized_and_tied_lm_head_gives_logits(tmp_path
     assert all(isinstance(m, QuantLinear) for m in linears)
     assert all(m.qweight.dtype == torch.uint8 for m in linears)  # type: ignore[union-attr]
     assert isinstance(forward._embed_rows, QuantEmbedding)
-    # the layers run in the one native call; the quantized lm_head gives logits (no screen)
-    assert forward.native_layers is not None and forward.token_choice_rows == 0
+    # The layers run in the one native call; the quantized lm_head has no screen, but a
+    # step of a few rows picks its tokens from the logits itself (cpu_forward.pick_tokens).
+    assert forward.native_layers is not None and forward.lm_head_argmax is None
+    assert forward.token_choice_rows == ARGMAX_MAX_ROWS
     # The unpermuted projections read the file's mapping in place, or on AVX512-VNNI its rows
     # 8 at a time interleaved (quant_cpu.decode_layout), the same bytes.
     from asyncengine.kernels import quant_cpu
@@ -472,3 +475,64 @@ def test_projections_of_one_quantized_type_are_joined(
     layer = gguf_checkpoint.load_gguf_forward(config.model_config)._layers[0]
     assert layer.qkv is None and isinstance(layer.v_proj, QuantLinear)
     assert isinstance(layer.gate_up, QuantLinear)
+
+
+@pytest.mark.timeout(300)
+def test_a_quantized_lm_head_picks_the_samplers_tokens_from_its_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows and rows sampled by temperature alone take their tokens from the
+    quantized lm_head's logits inside the forward (cpu_forward.pick_tokens): the tokens the
+    sampler picks from the same logits (a seeded request's too); rows with a penalty still
+    go to the sampler."""
+    from asyncengine.model import cpu_forward
+
+    tiny = write_tiny_gguf(tmp_path / "t.gguf", "llama", weight_type=Q.Q8_0, tied=True, seed=9)
+    calls: list[int] = []
+    real = cpu_forward.pick_tokens
+
+    def spy(logits: torch.Tensor, choice: Any) -> torch.Tensor | None:
+        calls.append(logits.shape[0])
+        return real(logits, choice)
+
+    common: dict[str, Any] = dict(max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, **common)
+    sampled = [SamplingParams(temperature=0.9, seed=i, **common) for i in range(len(PROMPTS))]
+    mixed = [greedy, sampled[1], greedy, sampled[3]]
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, **common)
+
+    def tokens(params: Any) -> list[list[int]]:
+        llm = LLM(tiny.path, device="cpu", dtype="bfloat16")
+        try:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            _assert_free(llm)
+            return [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+
+    monkeypatch.setattr(cpu_forward, "pick_tokens", spy)
+    picked = [tokens(p) for p in (greedy, sampled, mixed)]
+    assert calls and max(calls) <= len(PROMPTS)
+    calls.clear()
+    tokens(penalised)
+    assert not calls
+    monkeypatch.setattr(cpu_forward, "pick_tokens", lambda logits, choice: None)
+    assert [tokens(p) for p in (greedy, sampled, mixed)] == picked
+
+
+def test_pick_tokens_leaves_a_row_with_a_nan_logit_to_the_sampler() -> None:
+    from asyncengine.model.cpu_forward import pick_tokens
+    from asyncengine.model.interface import TokenChoice
+
+    logits = torch.randn(3, 70).to(torch.bfloat16)
+    want = logits[:, :64].float().argmax(dim=1)
+    got = pick_tokens(logits, TokenChoice(64))
+    assert got is not None and torch.equal(got, want)
+    logits[1, 63] = float("nan")
+    assert pick_tokens(logits, TokenChoice(64)) is None
+    logits[1, 63] = 0.0
+    logits[2, 66] = float("nan")  # past the vocabulary: not a candidate
+    noise = torch.zeros(3, 70)
+    temps = torch.tensor([0.0, 0.5, 2.0])
+    got = pick_tokens(logits, TokenChoice(64, temps, noise))
+    assert got is not None and torch.equal(got, logits[:, :64].float().argmax(dim=1))
