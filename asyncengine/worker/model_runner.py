@@ -574,31 +574,23 @@ class ModelRunner:
         per-request arrays: at one stream the general path's host work is a tenth of a
         small model's step. None where a request is not such a decode."""
         positions = [s.num_computed_tokens for s in states]
-        for state, pos in zip(states, positions, strict=True):
-            if pos + 1 != len(state.token_ids) or state.pooling is not None:
+        for state, p in zip(states, positions, strict=True):
+            if p + 1 != len(state.token_ids) or state.pooling is not None:
                 return None
-        bs, dev, num_reqs = self.block_size, self.device, len(states)
-        if num_reqs == 1:
-            block_table = np.asarray(states[0].block_ids, dtype=np.int64)[None]  # [1, blocks]
-        else:
-            block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in states)), np.int64)
-            for i, state in enumerate(states):
-                block_table[i, : len(state.block_ids)] = state.block_ids
-        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(states, positions, strict=True)]
-        attn = AttentionMetadata.build(
-            kv_caches=self.kv_caches,
-            slot_mapping=_to_device(np.asarray(slots, dtype=np.int64), dev),
-            query_start_loc=list(range(num_reqs + 1)),
-            seq_lens=[p + 1 for p in positions],
-            block_table=_to_device(block_table, dev),
-            block_size=bs,
-            dtype=self.dtype,
-            backend=self.model_config.attention_backend,
+        num_reqs = len(states)
+        block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in states)), np.int64)
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        pos = np.asarray(positions, dtype=np.int64)  # [B]
+        ones = [1] * num_reqs
+        attn = self._attention(
+            self.kv_caches, block_table, pos, ones, list(range(num_reqs + 1)), (pos + 1).tolist()
         )
         token_ids = [s.token_ids[p] for s, p in zip(states, positions, strict=True)]
+        dev = self.device
         return _BatchInputs(
             input_ids=_to_device(np.asarray(token_ids, dtype=np.int64), dev),
-            positions=_to_device(np.asarray(positions, dtype=np.int64), dev),
+            positions=_to_device(pos, dev),
             attn=attn,
             logits_indices=_to_device(np.arange(num_reqs, dtype=np.int64), dev),
             sample_req_ids=req_ids,
