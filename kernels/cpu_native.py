@@ -214,10 +214,9 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _ptr, _i64, _int,
     )),
     "ae_quant_gemm_min_rows": (_int, ()),
-    "ae_repack_q4_k_r8": (_int, (_ptr, _ptr, _i64, _i64, _int)),  # src, dst, N, K, threads
-    "ae_unpack_q4_k_r8": (_int, (_ptr, _ptr, _i64, _i64, _int)),
-    "ae_repack_q8_0_r8": (_int, (_ptr, _ptr, _i64, _i64, _int)),
-    "ae_unpack_q8_0_r8": (_int, (_ptr, _ptr, _i64, _i64, _int)),
+    # interleaved format code, src, dst, N, K, threads
+    "ae_repack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
+    "ae_unpack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
     "ae_dequantize_quant": (_int, (
         _int, _ptr, _i64, _i64,  # format code, weight (GGUF blocks), N, K
         _int, _ptr, _i64, _int,  # dtype code, out, its row stride, threads
@@ -269,11 +268,10 @@ class NativeKernels:
     quant_gemm: Callable[..., int]
     quant_gemm_min_rows: Callable[[], int]
     dequantize_quant: Callable[..., int]
-    # Q4_K / Q8_0 rows to Q4_K_R8 / Q8_0_R8 (8 rows interleaved: csrc/quant_r8.c) and back
-    repack_q4_k_r8: Callable[..., int]
-    unpack_q4_k_r8: Callable[..., int]
-    repack_q8_0_r8: Callable[..., int]
-    unpack_q8_0_r8: Callable[..., int]
+    # Q4_K / Q8_0 / Q5_0 / Q4_0 rows to their 8-row interleaved format (csrc/quant_r8.c) and
+    # back, the interleaved format's code first
+    repack_r8: Callable[..., int]
+    unpack_r8: Callable[..., int]
     # tests: linear.c's pool helpers sleep this many ns after claiming an item (0: off); gives
     # how many items the caller took over from helpers since the last call
     pool_test_delay_helpers: Callable[[int], int]
@@ -390,10 +388,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         quant_gemm=_function(lib, "ae_quant_gemm"),  # type: ignore[arg-type]
         quant_gemm_min_rows=_function(lib, "ae_quant_gemm_min_rows"),  # type: ignore[arg-type]
         dequantize_quant=_function(lib, "ae_dequantize_quant"),  # type: ignore[arg-type]
-        repack_q4_k_r8=_function(lib, "ae_repack_q4_k_r8"),  # type: ignore[arg-type]
-        unpack_q4_k_r8=_function(lib, "ae_unpack_q4_k_r8"),  # type: ignore[arg-type]
-        repack_q8_0_r8=_function(lib, "ae_repack_q8_0_r8"),  # type: ignore[arg-type]
-        unpack_q8_0_r8=_function(lib, "ae_unpack_q8_0_r8"),  # type: ignore[arg-type]
+        repack_r8=_function(lib, "ae_repack_r8"),  # type: ignore[arg-type]
+        unpack_r8=_function(lib, "ae_unpack_r8"),  # type: ignore[arg-type]
     )
 
 

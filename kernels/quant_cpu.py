@@ -46,26 +46,29 @@ from asyncengine.kernels.quant_formats import (
     K_QUANTS,
     LEGACY,
     Q4_0,
+    Q4_0_R8,
     Q4_1,
     Q4_K,
     Q4_K_R8,
     Q5_0,
+    Q5_0_R8,
     Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
     Q8_0_R8,
+    R8_SOURCES,
     dequantize,
     quant_format,
 )
 
 __all__ = [
-    "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_1", "Q4_K", "Q4_K_R8", "Q5_0", "Q5_1",
-    "Q5_K", "Q6_K", "Q8_0", "Q8_0_R8", "QK", "QKK", "activation_group", "available_paths",
-    "current_path", "decode_layout", "dequantize", "dequantize_cpu", "dequantize_rows_q8",
-    "gemm_min_rows", "linear_quant_cpu", "linear_quant_torch", "native_formats",
-    "quant_gemm_cpu", "quantize_rows_q8_cpu", "quantize_rows_q8_torch", "quantize_weight",
-    "repack_r8", "set_path", "unpack_r8",
+    "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_0_R8", "Q4_1", "Q4_K", "Q4_K_R8", "Q5_0",
+    "Q5_0_R8", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_0_R8", "QK", "QKK", "activation_group",
+    "available_paths", "current_path", "decode_layout", "dequantize", "dequantize_cpu",
+    "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu", "linear_quant_torch",
+    "native_formats", "quant_gemm_cpu", "quantize_rows_q8_cpu", "quantize_rows_q8_torch",
+    "quantize_weight", "repack_r8", "set_path", "unpack_r8",
 ]  # fmt: skip
 
 QK = 32  # values per activation block (and per legacy weight block)
@@ -311,7 +314,7 @@ def _product(
     )  # fmt: skip
     if status == -1:
         raise MemoryError(f"{name}: no memory for [{m}, {k}] int8 activations")
-    if status == -2 and qtype in (Q4_K_R8, Q8_0_R8) and n % 8:
+    if status == -2 and qtype in R8_SOURCES and n % 8:
         raise ValueError(f"{name}: a {qtype} weight has a multiple of 8 rows, not {n}")
     if status == -3:
         raise ValueError(missing)
@@ -320,20 +323,20 @@ def _product(
     return out.reshape(*x.shape[:-1], n)
 
 
-# Q4_K and Q8_0 weights of a multiple of 8 rows are repacked at load into Q4_K_R8 / Q8_0_R8
-# (8 rows interleaved: csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
+# Q4_K, Q8_0, Q5_0 and Q4_0 weights of a multiple of 8 rows are repacked at load into their
+# 8-row interleaved formats (csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
 # one-row products are faster than those over the file's bytes (Zen 4, one thread, from the
-# cache: Q4_K 1.6x, Q8_0 2.3x; docs/quantization.md), and the panel GEMM reads them as well.
-# Set to False to compare.
+# cache: Q4_K 1.6x, Q8_0 2.3x, Q5_0 and Q4_0 ~2.5x; docs/quantization.md), and the panel GEMM
+# reads them as well. Set to False to compare.
 REPACK_R8 = True
 # the file's formats that have an interleaved layout, and its name
-_R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8}
+_R8 = {source: r8 for r8, source in R8_SOURCES.items()}
 
 
 def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
-    """The weight and its format as the products read them fastest on this machine: Q4_K /
-    Q8_0 as a new Q4_K_R8 / Q8_0_R8 tensor (see REPACK_R8), anything else as it is (the same
-    tensor)."""
+    """The weight and its format as the products read them fastest on this machine: Q4_K,
+    Q8_0, Q5_0 and Q4_0 as a new tensor of their interleaved format (see REPACK_R8), anything
+    else as it is (the same tensor)."""
     if not REPACK_R8 or qtype not in _R8 or qweight.shape[0] % 8 or load_native() is None:
         return qweight, qtype
     if current_path() != "avx512_vnni" or _R8[qtype] not in native_formats():
@@ -342,29 +345,31 @@ def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]
 
 
 def repack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Q4_K or Q8_0 weights (`qtype`), uint8 [N, row bytes] with N a multiple of 8, in their
-    8-row interleaved layout (a new tensor of the same shape)."""
-    out, args, lib = _repack_args(qweight, qtype)
-    _repacked(lib.repack_q4_k_r8(*args) if qtype == Q4_K else lib.repack_q8_0_r8(*args))
+    """Q4_K, Q8_0, Q5_0 or Q4_0 weights (`qtype`), uint8 [N, row bytes] with N a multiple of 8,
+    in their 8-row interleaved layout (a new tensor of the same shape)."""
+    out, args = _repack_args(qweight, qtype)
+    _repacked(_kernels().repack_r8(quant_format(_R8[qtype]).code, *args))
     return out
 
 
 def unpack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Q4_K_R8 or Q8_0_R8 weights (`qtype`) back as the file's rows they were made from (a
-    new tensor); as `quant_formats.r8_to_q4_k` / `r8_to_q8_0`, natively."""
-    out, args, lib = _repack_args(qweight, qtype)
-    _repacked(lib.unpack_q4_k_r8(*args) if qtype == Q4_K_R8 else lib.unpack_q8_0_r8(*args))
+    """Weights of an interleaved format (`qtype`: Q4_K_R8, Q8_0_R8, Q5_0_R8, Q4_0_R8) back as
+    the file's rows they were made from (a new tensor); as `quant_formats.r8_to_file`,
+    natively."""
+    out, args = _repack_args(qweight, qtype)
+    _repacked(_kernels().unpack_r8(quant_format(qtype).code, *args))
     return out
 
 
 def _repack_args(
     qweight: torch.Tensor, qtype: str
-) -> tuple[torch.Tensor, tuple[int, int, int, int, int], NativeKernels]:
-    """The output of a repack of `qweight`, the native call's arguments (source, output, N,
-    K, threads) and the library; ValueError if it is not a `qtype` weight (one of the four
-    above) of whole blocks and groups of 8 rows."""
-    if qtype not in (Q4_K, Q8_0, Q4_K_R8, Q8_0_R8):
-        raise ValueError(f"{qtype} has no 8-row interleaved layout (Q4_K and Q8_0 have)")
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """The output of a repack of `qweight` and the native call's arguments after the format
+    (source, output, N, K, threads); ValueError if it is not a `qtype` weight (one with an
+    interleaved layout, or one of those) of whole blocks and groups of 8 rows."""
+    if qtype not in _R8 and qtype not in R8_SOURCES:
+        names = ", ".join(s.upper() for s in _R8)
+        raise ValueError(f"{qtype} has no 8-row interleaved layout ({names} have)")
     fmt = quant_format(qtype)
     n, row_bytes = qweight.shape
     if (
@@ -379,8 +384,7 @@ def _repack_args(
         )
     out = torch.empty_like(qweight)
     k = row_bytes // fmt.nbytes * fmt.values
-    args = (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
-    return out, args, _kernels()
+    return out, (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
 
 
 def _repacked(status: int) -> None:

@@ -40,9 +40,9 @@ class QuantFormat:
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 Q4_K, Q5_K, Q6_K = "q4_k", "q5_k", "q6_k"
-# Q4_K and Q8_0 with every 8 rows interleaved: made at load for the AVX512-VNNI one-row
-# products (kernels/csrc/quant_r8.c has the layouts), never found in a file.
-Q4_K_R8, Q8_0_R8 = "q4_k_r8", "q8_0_r8"
+# Q4_K, Q8_0, Q5_0 and Q4_0 with every 8 rows interleaved: made at load for the AVX512-VNNI
+# one-row products (kernels/csrc/quant_r8.c has the layouts), never found in a file.
+Q4_K_R8, Q8_0_R8, Q5_0_R8, Q4_0_R8 = "q4_k_r8", "q8_0_r8", "q5_0_r8", "q4_0_r8"
 FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
@@ -56,8 +56,12 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat(Q6_K, 7, 256, 210),
         QuantFormat(Q4_K_R8, 8, 256, 144, 8),  # per row; 8 rows make a group block of 1152
         QuantFormat(Q8_0_R8, 9, 32, 34, 8),  # 8 rows make a group block of 272
+        QuantFormat(Q5_0_R8, 10, 32, 22, 8),  # of 176
+        QuantFormat(Q4_0_R8, 11, 32, 18, 8),  # of 144
     )
 }
+# each interleaved format: the file's format it is made from
+R8_SOURCES = {Q4_K_R8: Q4_K, Q8_0_R8: Q8_0, Q5_0_R8: Q5_0, Q4_0_R8: Q4_0}
 LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # blocks of 32 (kernels/csrc/quant_legacy.c)
 K_QUANTS = (Q4_K, Q5_K, Q6_K)  # super-blocks of 256 (kernels/csrc/quant_kquants.c)
 
@@ -132,10 +136,8 @@ def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:  # [..., 210] -> [..., 25
 
 def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """`qtype` blocks, uint8 [N, K / values * bytes], as the fp32 weight [N, K]."""
-    if qtype == Q4_K_R8:
-        return dequantize(r8_to_q4_k(qweight), Q4_K)
-    if qtype == Q8_0_R8:
-        return dequantize(r8_to_q8_0(qweight), Q8_0)
+    if qtype in R8_SOURCES:
+        return dequantize(r8_to_file(qweight, qtype), R8_SOURCES[qtype])
     fmt = quant_format(qtype)
     k = in_features(qweight, qtype)
     n = qweight.shape[0]
@@ -214,6 +216,38 @@ def r8_to_q8_0(qweight: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(1, 2).reshape(n, -1).contiguous()
 
 
+def r8_to_q5_0(qweight: torch.Tensor, qtype: str = Q5_0_R8) -> torch.Tensor:
+    """Q5_0_R8 (or with `qtype` Q4_0_R8) weights, uint8 [N, K / 32 * 22 (18)], back as the
+    Q5_0 (Q4_0) rows they were made from (the same shape; the reference of `ae_unpack_r8`)."""
+    n = qweight.shape[0]
+    if n % 8:
+        raise ValueError(f"{qtype} weights have a multiple of 8 rows, not {n}")
+    hb = qtype == Q5_0_R8
+    g = qweight.reshape(n // 8, -1, 176 if hb else 144)  # [groups, blocks, bytes]
+    d = g[..., :16].reshape(*g.shape[:2], 8, 2)  # row r's fp16 d
+    chunks = g[..., 16:144].reshape(*g.shape[:2], 2, 8, 2, 4)  # [c][r][h][e]
+    q = torch.stack([chunks & 15, chunks >> 4], dim=3)  # [c][lo/hi][r][h][e]: step 2c + lo/hi
+    q = q.permute(0, 1, 4, 2, 3, 5, 6).reshape(*g.shape[:2], 8, 32)  # [r][8s + 4h + e]
+    parts = [d]
+    if hb:  # step s's fifth bits: bit 8 * (byte) + i of its mask is lane byte 8 * byte + i
+        bits = _bits(g[..., 144:176]).reshape(*g.shape[:2], 4, 8, 2, 4)  # [s][r][h][e]
+        bits = bits.permute(0, 1, 3, 2, 4, 5).reshape(*g.shape[:2], 8, 4, 8)  # [r][byte][bit]
+        qh = (bits.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
+        parts.append(qh.to(torch.uint8))  # [groups, blocks, r, 4]: a little-endian uint32
+    parts.append(q[..., :16] | (q[..., 16:] << 4))
+    blocks = torch.cat(parts, dim=-1)  # [groups, blocks, r, 22 or 18]
+    return blocks.transpose(1, 2).reshape(n, -1).contiguous()
+
+
+def r8_to_file(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Weights of an interleaved format `qtype` back as the file's rows they were made from."""
+    if qtype == Q4_K_R8:
+        return r8_to_q4_k(qweight)
+    if qtype == Q8_0_R8:
+        return r8_to_q8_0(qweight)
+    return r8_to_q5_0(qweight, qtype)
+
+
 def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """Random valid `qtype` blocks for an [n, k] weight (k a multiple of the block's values):
     random quants, scales in fp16 of moderate size (no inf or NaN), for kernel tests of the
@@ -221,10 +255,10 @@ def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> tor
     fmt = quant_format(qtype)
     if k % fmt.values:
         raise ValueError(f"K={k} is not a multiple of {fmt.values} ({qtype})")
-    if qtype in (Q4_K_R8, Q8_0_R8):  # any bytes are valid, but for each row's fp16 scales
+    if qtype in R8_SOURCES:  # any bytes are valid, but for each row's fp16 scales
         if n % fmt.row_group:
             raise ValueError(f"N={n} is not a multiple of {fmt.row_group} ({qtype})")
-        group_bytes, scales = (1152, 16) if qtype == Q4_K_R8 else (272, 8)
+        group_bytes, scales = (1152, 16) if qtype == Q4_K_R8 else (8 * fmt.nbytes, 8)
         shape = (n // 8 * k // fmt.values, group_bytes)
         raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
         lo, hi = (1e-3, 2e-2) if qtype == Q4_K_R8 else (-0.05, 0.05)

@@ -18,6 +18,8 @@ enum {
     FMT_Q6_K = AE_QUANT_Q4_K + 2,
     FMT_Q4_K_R8 = AE_QUANT_Q4_K_R8,
     FMT_Q8_0_R8 = AE_QUANT_Q8_0_R8,
+    FMT_Q5_0_R8 = AE_QUANT_Q5_0_R8,
+    FMT_Q4_0_R8 = AE_QUANT_Q4_0_R8,
     QK4K_VALUES = 256
 };
 
@@ -60,7 +62,7 @@ static ALWAYS_INLINE void unpack_sb(int fmt, const uint8_t *blk, uint8_t *restri
 }
 
 /*
- * Q4_K_R8: Q4_K weights with every 8 rows interleaved (ae_repack_q4_k_r8, quant_r8.c; the
+ * Q4_K_R8: Q4_K weights with every 8 rows interleaved (ae_repack_r8, quant_r8.c; the
  * layout is described there). Rows 8g..8g+7's super-block b is one group block of
  * Q4K_R8_BYTES at w + (g * nsb + b) * Q4K_R8_BYTES, nsb = K / 256: the same bytes per row as
  * Q4_K, so that N rows still take N * K / 256 * 144 bytes and whole groups of rows slice.
@@ -104,6 +106,12 @@ static ALWAYS_INLINE void q4k_r8_block(const uint8_t *g, const int r, uint8_t *r
             blk[16 + 32 * c + l] = (uint8_t)(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
 }
 
+/* Where value v of row r sits in its step's 64 bytes (Q8_0_R8, Q5_0_R8, Q4_0_R8): step v / 8,
+ * byte 4L + e, lane L = 2r + h, the value 8s + 4h + e. */
+static ALWAYS_INLINE int r8_lane_byte(const int v, const int r) {
+    return 4 * (2 * r + (v % 8) / 4) + v % 4;
+}
+
 /* Q8_0_R8 (quant_r8.c): rows 8g..8g+7's block b (32 values) is one group block of Q8R8_BYTES
  * at w + (g * nb + b) * Q8R8_BYTES, nb = K / 32. */
 #define Q8R8_BYTES 272
@@ -112,7 +120,56 @@ static ALWAYS_INLINE void q4k_r8_block(const uint8_t *g, const int r, uint8_t *r
 static ALWAYS_INLINE void q8r8_block(const uint8_t *g, const int r, uint8_t *restrict blk) {
     memcpy(blk, g + 2 * r, 2);
     for (int v = 0; v < 32; v++)
-        blk[2 + v] = (uint8_t)(g[16 + 64 * (v / 8) + 4 * (2 * r + (v % 8) / 4) + v % 4] ^ 0x80);
+        blk[2 + v] = (uint8_t)(g[16 + 64 * (v / 8) + r8_lane_byte(v, r)] ^ 0x80);
+}
+
+/* Q5_0_R8 and Q4_0_R8 (quant_r8.c): rows 8g..8g+7's block b (32 values) is one group block
+ * at w + (g * nb + b) * Q50R8_BYTES (8 x 22) or Q40R8_BYTES (8 x 18), nb = K / 32. */
+#define Q50R8_BYTES 176
+#define Q40R8_BYTES 144
+
+/* Row r's 32 values u of a Q5_0_R8 (hb 1: u = q + 16, 0..31) or Q4_0_R8 (hb 0: q + 8) group
+ * block: step s's low 4 bits in chunk s / 2 (low nibbles s even, high odd), its fifth bits
+ * the 64-bit mask at 144 + 8s. */
+static ALWAYS_INLINE void q50r8_values(const uint8_t *g, const int r, const int hb,
+                                       uint8_t *restrict u) {
+    for (int v = 0; v < 32; v++) {
+        const int s = v / 8, p = r8_lane_byte(v, r);
+        const uint8_t n = g[16 + 64 * (s / 2) + p];
+        u[v] = (uint8_t)(s % 2 ? n >> 4 : n & 15);
+        if (hb) u[v] |= (uint8_t)(((g[144 + 8 * s + p / 8] >> (p % 8)) & 1) << 4);
+    }
+}
+
+/* Row r of a Q5_0_R8 (hb 1) or Q4_0_R8 (hb 0) group block as the Q5_0 / Q4_0 block it was
+ * made from (22 / 18 bytes: d, Q5_0's qh, qs with elements j and j + 16 in qs[j]). */
+static ALWAYS_INLINE void q50r8_block(const uint8_t *g, const int r, const int hb,
+                                      uint8_t *restrict blk) {
+    uint8_t u[32];
+    q50r8_values(g, r, hb, u);
+    memcpy(blk, g + 2 * r, 2);
+    uint8_t *qs = blk + 2 + 4 * hb;
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((u[j] & 15) | ((u[j + 16] & 15) << 4));
+    if (hb) {
+        uint32_t qh = 0;
+        for (int j = 0; j < 32; j++) qh |= (uint32_t)(u[j] >> 4) << j;
+        memcpy(blk + 2, &qh, 4);
+    }
+}
+
+/* The interleaved format fmt's file format (-1: fmt is none) and group block bytes. */
+static inline int r8_source_format(const int fmt) {
+    return fmt == FMT_Q4_K_R8   ? FMT_Q4_K
+           : fmt == FMT_Q8_0_R8 ? 0
+           : fmt == FMT_Q5_0_R8 ? 3
+           : fmt == FMT_Q4_0_R8 ? 1
+                                : -1;
+}
+static inline int64_t r8_group_bytes(const int fmt) {
+    return fmt == FMT_Q4_K_R8   ? Q4K_R8_BYTES
+           : fmt == FMT_Q8_0_R8 ? Q8R8_BYTES
+           : fmt == FMT_Q5_0_R8 ? Q50R8_BYTES
+                                : Q40R8_BYTES;
 }
 
 #endif

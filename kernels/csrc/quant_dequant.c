@@ -221,11 +221,12 @@ static inline void store_bf16(const float *y, uint16_t *o, int64_t n) {
 
 int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, void *out,
                         int64_t o_st, int num_threads) {
-    if (fmt < 0 || fmt > AE_QUANT_Q8_0_R8) return -3;
+    if (fmt < 0 || fmt >= AE_QUANT_FORMATS) return -3;
     if (dt < 0 || dt > 2) return -4;
-    /* the R8 formats: a row at a time from its group, as the file's blocks */
-    const int r8 = fmt == AE_QUANT_Q4_K_R8 ? 1 : fmt == AE_QUANT_Q8_0_R8 ? 2 : 0;
-    if (r8) fmt = r8 == 1 ? AE_QUANT_Q4_K : 0;
+    /* the interleaved formats: a row at a time from its group, as the file's blocks */
+    const int r8 = fmt >= AE_QUANT_Q4_K_R8 ? fmt : 0;
+    const int64_t gb = r8 ? r8_group_bytes(r8) : 0;
+    if (r8) fmt = r8_source_format(r8);
     const int64_t values = VALUES[fmt], nb = K / values;
     if (K <= 0 || K % values || (r8 && N % 8)) return -2;
     const int64_t row_bytes = nb * BYTES[fmt];
@@ -237,13 +238,11 @@ int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, vo
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + n * row_bytes;
             for (int64_t i = 0; i < nb; i++) {
-                if (r8 == 1) {
-                    const uint8_t *g = (const uint8_t *)w + ((n / 8) * nb + i) * Q4K_R8_BYTES;
-                    q4k_r8_block(g, (int)(n % 8), blk);
-                    dequant_block(fmt, blk, y);
-                } else if (r8 == 2) {
-                    const uint8_t *g = (const uint8_t *)w + ((n / 8) * nb + i) * Q8R8_BYTES;
-                    q8r8_block(g, (int)(n % 8), blk);
+                if (r8) {
+                    const uint8_t *g = (const uint8_t *)w + ((n / 8) * nb + i) * gb;
+                    if (r8 == AE_QUANT_Q4_K_R8) q4k_r8_block(g, (int)(n % 8), blk);
+                    else if (r8 == AE_QUANT_Q8_0_R8) q8r8_block(g, (int)(n % 8), blk);
+                    else q50r8_block(g, (int)(n % 8), r8 == AE_QUANT_Q5_0_R8, blk);
                     dequant_block(fmt, blk, y);
                 } else
 #ifdef HAVE_AVX512

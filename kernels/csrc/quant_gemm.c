@@ -59,11 +59,13 @@
 struct fmt_info {
     int values, bytes, sub, offset, has_min;
 };
-static const struct fmt_info FMT[10] = {
+static const struct fmt_info FMT[AE_QUANT_FORMATS] = {
     {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
     {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
     {256, 144, 32, 0, 1}, /* Q4_K_R8: read 8 rows at a time (unpack_group_r8) */
     {32, 34, 32, 128, 0}, /* Q8_0_R8: the same (unpack_group_q8r8) */
+    {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same (unpack_group_q50r8) */
+    {32, 18, 32, 8, 0},
 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -200,6 +202,20 @@ static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, 
         for (int s = 0; s < 4; s++)
             for (int r = 0; r < 8; r++)
                 memcpy(u + r * ld + i * 32 + 8 * s, blk + 16 + 64 * s + 8 * r, 8);
+        const __m128i d = _mm_loadu_si128((const __m128i *)blk);
+        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
+    }
+}
+
+/* Rows 8g..8g+7 of Q5_0_R8 (hb 1) or Q4_0_R8 (hb 0) weights w, their blocks b0 .. b0 + n - 1,
+ * as unpack_row_3 / unpack_row_1 unpack 8 rows: u = q + 16 (q + 8), the blocks' d. */
+static void unpack_group_q50r8(const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
+                               int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
+                               int col, int hb) {
+    const int64_t gb = hb ? Q50R8_BYTES : Q40R8_BYTES;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *blk = w + (g * nb + b0 + i) * gb;
+        for (int r = 0; r < 8; r++) q50r8_values(blk, r, hb, u + r * ld + i * 32);
         const __m128i d = _mm_loadu_si128((const __m128i *)blk);
         _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
     }
@@ -352,9 +368,9 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads) {
-    if (fmt < 0 || fmt > 9) return -3;
+    if (fmt < 0 || fmt >= AE_QUANT_FORMATS) return -3;
     const struct fmt_info fi = FMT[fmt];
-    const int r8 = fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q8_0_R8;
+    const int r8 = fmt >= AE_QUANT_Q4_K_R8;
     if (r8 && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
@@ -411,9 +427,13 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
                         if (c % 8 == 0 && fmt == AE_QUANT_Q4_K_R8)
                             unpack_group_r8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256, u + c * kc,
                                             kc, sc, mn, c);
-                        else if (c % 8 == 0)
+                        else if (c % 8 == 0 && fmt == AE_QUANT_Q8_0_R8)
                             unpack_group_q8r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32, u + c * kc,
                                               kc, sc, c);
+                        else if (c % 8 == 0)
+                            unpack_group_q50r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32,
+                                               u + c * kc, kc, sc, c,
+                                               fmt == AE_QUANT_Q5_0_R8);
                     } else if (c < cols) {
                         const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
                         unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,

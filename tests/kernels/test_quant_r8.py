@@ -1,10 +1,10 @@
-"""Q4_K and Q8_0 weights with every 8 rows interleaved (Q4_K_R8, Q8_0_R8:
-kernels/csrc/quant_r8.c), made at load on AVX512-VNNI machines: the repack and its inverse
-give back the file's bytes exactly (the native one against the torch reading of the layout),
-and every product over the repacked rows (the VNNI one-row tiles, the panel GEMM, the other
-paths' fallback, dequantization) gives the numbers of the same product over the file's rows:
-the integer sums are the same, only the order of the fp32 sums differs (the GEMM's, not even
-that)."""
+"""Q4_K, Q8_0, Q5_0 and Q4_0 weights with every 8 rows interleaved (Q4_K_R8, Q8_0_R8, Q5_0_R8,
+Q4_0_R8: kernels/csrc/quant_r8.c), made at load on AVX512-VNNI machines: the repack and its
+inverse give back the file's bytes exactly (the native one against the torch reading of the
+layout), and every product over the repacked rows (the VNNI one-row tiles, the panel GEMM, the
+other paths' fallback, dequantization) gives the numbers of the same product over the file's
+rows: the integer sums are the same, only the order of the fp32 sums differs (the GEMM's, not
+even that)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ import torch
 from asyncengine.kernels import quant_cpu
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
 from asyncengine.kernels.quant_cpu import (
+    Q4_0,
+    Q4_0_R8,
     Q4_K,
     Q4_K_R8,
+    Q5_0,
+    Q5_0_R8,
     Q8_0,
     Q8_0_R8,
     decode_layout,
@@ -27,8 +31,10 @@ from asyncengine.kernels.quant_cpu import (
     unpack_r8,
 )
 from asyncengine.kernels.quant_formats import (
+    FORMATS,
     dequantize,
     r8_to_q4_k,
+    r8_to_q5_0,
     r8_to_q8_0,
     random_blocks,
 )
@@ -39,9 +45,15 @@ pytestmark = [
 ]
 PATHS_HERE = quant_cpu.available_paths() if load_native() is not None else ()
 SHAPES = [(8, 256), (24, 768), (136, 2304), (64, 2048)]  # N x K
-R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8}  # the file's format: its interleaved one
-READ_BACK = {Q4_K_R8: r8_to_q4_k, Q8_0_R8: r8_to_q8_0}  # the torch readings of the layouts
-FILE_FORMATS = pytest.mark.parametrize("qtype", [Q4_K, Q8_0])
+# the file's format: its interleaved one
+R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8, Q5_0: Q5_0_R8, Q4_0: Q4_0_R8}
+READ_BACK = {  # the torch readings of the layouts
+    Q4_K_R8: r8_to_q4_k,
+    Q8_0_R8: r8_to_q8_0,
+    Q5_0_R8: r8_to_q5_0,
+    Q4_0_R8: lambda w: r8_to_q5_0(w, Q4_0_R8),
+}
+FILE_FORMATS = pytest.mark.parametrize("qtype", list(R8))
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +63,9 @@ def _best_path_after() -> Iterator[None]:
 
 
 def _file_rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random rows of a file's `qtype` (Q8_0 as its quantizer writes them)."""
-    if qtype == Q8_0:
-        return quant_cpu.quantize_weight(torch.randn(n, k, generator=gen) * 0.02, Q8_0)
+    """Random rows of a file's `qtype` (the legacy formats as their quantizer writes them)."""
+    if qtype != Q4_K:
+        return quant_cpu.quantize_weight(torch.randn(n, k, generator=gen) * 0.02, qtype)
     return random_blocks(qtype, n, k, gen)
 
 
@@ -109,7 +121,7 @@ def test_the_rows_of_a_group_are_not_mixed(qtype: str) -> None:
     # one non-zero weight row at a time: only its output moves
     gen = torch.Generator().manual_seed(4)
     rows = random_blocks(qtype, 16, 256, gen)
-    blocks = rows.view(16, -1, 144 if qtype == Q4_K else 34)
+    blocks = rows.view(16, -1, FORMATS[qtype].nbytes)
     blocks[:, :, : 4 if qtype == Q4_K else 2] = 0  # d (and dmin) zero: every weight zero
     x = torch.randn(1, 256, generator=gen)
     for row in (0, 5, 8, 15):

@@ -410,28 +410,30 @@ def test_speculative_decoding_runs_on_quantized_weights(tmp_path: Path, qtype: Q
     _assert_greedy_matches(got, _reference_model(tiny.path, tiny, True), PROMPTS)
 
 
-def test_q4_k_projections_load_as_q4_k_r8_on_the_vnni_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("weight_type", [Q.Q4_K, Q.Q5_0, Q.Q4_0], ids=lambda v: v.name)
+def test_projections_load_interleaved_on_the_vnni_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_type: Q
 ) -> None:
-    """On AVX512-VNNI the Q4_K projections are repacked at load (quant_cpu.decode_layout), a
-    tied Q4_K lm_head stays the file's (the embedding reads those bytes), and the greedy
-    tokens are those of the file's layout."""
+    """On AVX512-VNNI the Q4_K (Q5_0, Q4_0) projections are repacked at load
+    (quant_cpu.decode_layout), a tied lm_head of the type stays the file's (the embedding
+    reads those bytes), and the greedy tokens are those of the file's layout."""
     from asyncengine.config import EngineConfig
     from asyncengine.kernels import quant_cpu
     from asyncengine.model.gguf_checkpoint import load_gguf_forward
     from asyncengine.model.quant_linear import QuantLinear
 
     tiny = write_tiny_gguf(
-        tmp_path / "q4k.gguf", "llama", weight_type=Q.Q4_K, tied=True, shapes=K_SHAPES, seed=7
+        tmp_path / "q.gguf", "llama", weight_type=weight_type, tied=True, shapes=K_SHAPES, seed=7
     )
     config = EngineConfig.from_kwargs(tiny.path, device="cpu", dtype="bfloat16")
     forward = load_gguf_forward(config.model_config)
     *projections, lm_head = forward.linear_layers()
     vnni = quant_cpu.current_path() == "avx512_vnni"
     assert all(isinstance(m, QuantLinear) for m in projections)
-    want = quant_cpu.Q4_K_R8 if vnni else quant_cpu.Q4_K
+    qtype = weight_type.name.lower()
+    want = qtype + "_r8" if vnni else qtype
     assert {m.qtype for m in projections} == {want}  # type: ignore[union-attr]
-    assert isinstance(lm_head, QuantLinear) and lm_head.qtype == quant_cpu.Q4_K
+    assert isinstance(lm_head, QuantLinear) and lm_head.qtype == qtype
     repacked = _greedy(tiny.path)
     monkeypatch.setattr(quant_cpu, "REPACK_R8", False)
     assert _greedy(tiny.path) == repacked
