@@ -15,7 +15,8 @@ as the file stores them.
   and packed as `cpu_checkpoint` does for safetensors.
 - A quantized token embedding is looked up a step's rows at a time (`QuantEmbedding`); a
   quantized lm_head (most GGUF files tie it to the embedding) is a `QuantLinear`, so the
-  model returns logits (the int8 lm_head screen reads packed bf16 weights only).
+  model returns logits (the int8 lm_head screen reads packed bf16 weights only). A tied one
+  is laid out as the products read it fastest, and the lookup reads that copy.
 
 In bf16, decode steps run the layers in the one native call (`decode_layers.py`) where the
 native kernels run every quantized format the file holds; otherwise one op at a time.
@@ -80,18 +81,22 @@ def load_gguf_forward(model_config: ModelConfig) -> CpuForward:
     embed = model.tensors["model.embed_tokens.weight"]
     head = model.tensors.get("lm_head.weight", embed)  # tied: the embedding
     embed_weight = embed_rows = None
-    if embed.ggml_type in _QTYPES:
-        embed_rows = QuantEmbedding(loader.blocks(embed), _QTYPES[embed.ggml_type], loader.dtype)
-    else:
+    lm_head = loader.linear(head, None)
+    if embed.ggml_type not in _QTYPES:
         embed_weight = loader.values(embed)
+    elif head is embed and isinstance(lm_head, QuantLinear):
+        # tied: the lookup reads the lm_head's copy (maybe interleaved; the file's pages of
+        # it released), so the weight is in memory once
+        embed_rows = QuantEmbedding(lm_head.qweight, lm_head.qtype, loader.dtype)
+    else:
+        embed_rows = QuantEmbedding(loader.blocks(embed), _QTYPES[embed.ggml_type], loader.dtype)
     forward = CpuForward(
         embed_weight=embed_weight,
         embed_rows=embed_rows,
         rotary=RotaryEmbedding(rope, _rope_freqs(model, rope.head_dim)),
         final_norm=loader.values(model.tensors["model.norm.weight"]),
         final_eps=eps,
-        # a tied lm_head stays in the file's layout: the embedding reads the same bytes
-        lm_head=loader.linear(head, None, relayout=head is not embed),
+        lm_head=lm_head,
         head_dim=model_config.head_dim,
         layers=layers,
     )
@@ -137,21 +142,18 @@ class _Loader:
             flat = torch.frombuffer(tensor.memoryview(), dtype=torch.uint8)
         return flat.view(tensor.num_rows, tensor.row_nbytes)
 
-    def linear(
-        self, weight: GGUFTensor, bias: GGUFTensor | None, relayout: bool = True
-    ) -> nn.Module:
-        """A quantized weight's layer reads the file's blocks in place, or (`relayout`, where
-        the kernels read another layout faster: `decode_layout`) a copy in that layout, the
-        file's pages of it released; a float weight's, its values in the engine's dtype."""
+    def linear(self, weight: GGUFTensor, bias: GGUFTensor | None) -> nn.Module:
+        """A quantized weight's layer reads the file's blocks in place, or (where the kernels
+        read another layout faster: `decode_layout`) a copy in that layout, the file's pages
+        of it released; a float weight's, its values in the engine's dtype."""
         b = None if bias is None else self.values(bias)
         if weight.ggml_type not in _QTYPES:
             return linear_layer(self.values(weight), b)
         blocks, qtype = self.blocks(weight), _QTYPES[weight.ggml_type]
-        if relayout:
-            copy, qtype = decode_layout(blocks, qtype)
-            if copy is not blocks:
-                blocks = copy
-                weight.release_pages()
+        copy, qtype = decode_layout(blocks, qtype)
+        if copy is not blocks:
+            blocks = copy
+            weight.release_pages()
         return QuantLinear(blocks, qtype, b)
 
     def joint_linear(

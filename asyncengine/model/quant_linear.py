@@ -157,14 +157,38 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear 
     return QuantLinear(*decode_layout(quantize_int8_per_channel(weight), "q8_0"), bias)
 
 
+# An interleaved table's lookup of more tokens than this dequantizes each group once (sorting
+# the ids costs more than the repeats for a decode step's few).
+UNIQUE_GROUPS_FROM = 64
+
+
 class QuantEmbedding:
-    """`rows(ids) -> [T, hidden]`: the dequantized rows of `ids` in a quantized table."""
+    """`rows(ids) -> [T, hidden]`: the dequantized rows of `ids` in a quantized table, also
+    one of 8 rows interleaved (a tied lm_head's layout: `decode_layout`)."""
 
     def __init__(self, qweight: torch.Tensor, qtype: str, dtype: torch.dtype) -> None:
         self.qweight, self.qtype, self.dtype = qweight, qtype, dtype
+        self.group = quant_format(qtype).row_group  # rows come in groups of this many
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        rows = self.qweight.index_select(0, ids)  # [T, row bytes]: only the step's tokens
+        if self.group == 1:
+            return self._dequantize(self.qweight.index_select(0, ids))  # only the step's rows
+        # interleaved: the groups holding the step's tokens (each once for long steps: a
+        # prefill chunk's would be many times its rows), dequantized, then their rows
+        if ids.numel() == 1:  # one stream's decode step: slices, no index ops
+            i = int(ids[0])
+            start = i - i % self.group
+            return self._dequantize(self.qweight[start : start + self.group])[i - start :][:1]
+        if ids.numel() > UNIQUE_GROUPS_FROM:
+            groups, at = torch.unique(ids // self.group, return_inverse=True)
+        else:
+            groups, at = ids // self.group, torch.arange(ids.numel())
+        table = self.qweight.view(-1, self.group * self.qweight.shape[1])
+        rows = table.index_select(0, groups).view(-1, self.qweight.shape[1])
+        values = self._dequantize(rows)  # [groups * group, hidden]
+        return values.index_select(0, at * self.group + ids % self.group)
+
+    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         if _native_formats():  # the same values (one rounding to dtype), without torch's ops
             return dequantize_cpu(rows, self.qtype, self.dtype)  # a Q6_K row: 0.2 ms in torch
         return dequantize(rows, self.qtype).to(self.dtype)

@@ -165,3 +165,18 @@ def test_the_decode_layout_is_interleaved_on_the_vnni_path_only(
     quant_cpu.set_path(None)
     monkeypatch.setattr(quant_cpu, "REPACK_R8", False)
     assert decode_layout(rows, qtype) == (rows, qtype)
+
+
+@FILE_FORMATS
+def test_an_embedding_reads_its_rows_from_the_interleaved_layout(qtype: str) -> None:
+    from asyncengine.model.quant_linear import QuantEmbedding
+
+    rows = _file_rows(qtype, 48, 256, torch.Generator().manual_seed(7))
+    short = torch.tensor([5, 47, 0, 5, 8, 15, 16, 33])  # repeats, one group twice, unsorted
+    long = torch.randint(0, 48, (100,), generator=torch.Generator().manual_seed(8))
+    # one stream's step, a few streams', a prefill chunk's many (groups once)
+    for ids in (torch.tensor([45]), short, long):
+        want = QuantEmbedding(rows, qtype, torch.bfloat16)(ids)
+        got = QuantEmbedding(repack_r8(rows, qtype), R8[qtype], torch.bfloat16)(ids)
+        assert torch.equal(got, want)
+        assert torch.equal(want, dequantize(rows, qtype)[ids].bfloat16())

@@ -140,14 +140,19 @@ def write_tiny_gguf(
     extra_tensors: dict[str, tuple[np.ndarray, int]] | None = None,
     type_overrides: dict[str, int] | None = None,
     tokenizer_pre: str = "qwen2",
+    vocab_multiple: int = 1,
 ) -> TinyGGUF:
     """A tiny random model of `arch` as llama.cpp would write it: 2-D weights of
     `weight_type` (F32, F16, BF16 or a type gguf.quants.quantize knows), norms and biases F32.
     `type_overrides` maps a part of an HF name ("v_proj") to the type of the 2-D weights
     whose names hold it (a mix, as llama-quantize's Q4_K_M writes). `file_arch` overrides
-    general.architecture (an unsupported one, for the error tests)."""
+    general.architecture (an unsupported one, for the error tests). `vocab_multiple` pads
+    the vocabulary with control tokens to a multiple of it (as many real files are)."""
     s = shapes or Shapes()
     tokens, types, merges = byte_level_vocab()
+    while len(tokens) % vocab_multiple:
+        tokens.append(f"<|extra_{len(tokens)}|>")
+        types.append(3)  # CONTROL
     rng = np.random.default_rng(seed)
     weights = _hf_weights(arch, s, len(tokens), tied, rng)
     out = TinyGGUF(path, arch, s, len(tokens), weights)
