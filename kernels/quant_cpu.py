@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from asyncengine.heap import huge_page_buffer
 from asyncengine.kernels.cpu_native import (
     DTYPE_CODES,
     NativeKernels,
@@ -55,6 +56,7 @@ from asyncengine.kernels.quant_formats import (
     Q5_1,
     Q5_K,
     Q6_K,
+    Q6_K_R8,
     Q8_0,
     Q8_0_R8,
     R8_SOURCES,
@@ -64,11 +66,11 @@ from asyncengine.kernels.quant_formats import (
 
 __all__ = [
     "FORMATS", "K_QUANTS", "LEGACY", "PATHS", "Q4_0", "Q4_0_R8", "Q4_1", "Q4_K", "Q4_K_R8", "Q5_0",
-    "Q5_0_R8", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_0_R8", "QK", "QKK", "activation_group",
-    "available_paths", "current_path", "decode_layout", "dequantize", "dequantize_cpu",
-    "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu", "linear_quant_torch",
-    "native_formats", "quant_gemm_cpu", "quantize_rows_q8_cpu", "quantize_rows_q8_torch",
-    "quantize_weight", "repack_r8", "set_path", "unpack_r8",
+    "Q5_0_R8", "Q5_1", "Q5_K", "Q6_K", "Q6_K_R8", "Q8_0", "Q8_0_R8", "QK", "QKK",
+    "activation_group", "available_paths", "current_path", "decode_layout", "dequantize",
+    "dequantize_cpu", "dequantize_rows_q8", "gemm_min_rows", "linear_quant_cpu",
+    "linear_quant_torch", "native_formats", "quant_gemm_cpu", "quantize_rows_q8_cpu",
+    "quantize_rows_q8_torch", "quantize_weight", "repack_r8", "set_path", "unpack_r8",
 ]  # fmt: skip
 
 QK = 32  # values per activation block (and per legacy weight block)
@@ -323,7 +325,7 @@ def _product(
     return out.reshape(*x.shape[:-1], n)
 
 
-# Q4_K, Q8_0, Q5_0 and Q4_0 weights of a multiple of 8 rows are repacked at load into their
+# Q4_K, Q8_0, Q5_0, Q4_0 and Q6_K weights of a multiple of 8 rows are repacked at load into their
 # 8-row interleaved formats (csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
 # one-row products are faster than those over the file's bytes (Zen 4, one thread, from the
 # cache: Q4_K 1.6x, Q8_0 2.3x, Q5_0 and Q4_0 ~2.5x; docs/quantization.md), and the panel GEMM
@@ -335,8 +337,8 @@ _R8 = {source: r8 for r8, source in R8_SOURCES.items()}
 
 def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
     """The weight and its format as the products read them fastest on this machine: Q4_K,
-    Q8_0, Q5_0 and Q4_0 as a new tensor of their interleaved format (see REPACK_R8), anything
-    else as it is (the same tensor)."""
+    Q8_0, Q5_0, Q4_0 and Q6_K as a new tensor of their interleaved format (see REPACK_R8),
+    anything else as it is (the same tensor)."""
     if not REPACK_R8 or qtype not in _R8 or qweight.shape[0] % 8 or load_native() is None:
         return qweight, qtype
     if current_path() != "avx512_vnni" or _R8[qtype] not in native_formats():
@@ -345,16 +347,16 @@ def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]
 
 
 def repack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Q4_K, Q8_0, Q5_0 or Q4_0 weights (`qtype`), uint8 [N, row bytes] with N a multiple of 8,
-    in their 8-row interleaved layout (a new tensor of the same shape)."""
+    """Q4_K, Q8_0, Q5_0, Q4_0 or Q6_K weights (`qtype`), uint8 [N, row bytes] with N a multiple
+    of 8, in their 8-row interleaved layout (a new tensor of the same shape)."""
     out, args = _repack_args(qweight, qtype)
     _repacked(_kernels().repack_r8(quant_format(_R8[qtype]).code, *args))
     return out
 
 
 def unpack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Weights of an interleaved format (`qtype`: Q4_K_R8, Q8_0_R8, Q5_0_R8, Q4_0_R8) back as
-    the file's rows they were made from (a new tensor); as `quant_formats.r8_to_file`,
+    """Weights of an interleaved format (`qtype`: Q4_K_R8, Q8_0_R8, Q5_0_R8, Q4_0_R8, Q6_K_R8)
+    back as the file's rows they were made from (a new tensor); as `quant_formats.r8_to_file`,
     natively."""
     out, args = _repack_args(qweight, qtype)
     _repacked(_kernels().unpack_r8(quant_format(qtype).code, *args))
@@ -382,9 +384,20 @@ def _repack_args(
             f"a {qtype} weight to repack is contiguous uint8 [N, K / {fmt.values} * "
             f"{fmt.nbytes}] with N a multiple of 8; got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    out = torch.empty_like(qweight)
+    out = _weight_buffer(n, row_bytes)
     k = row_bytes // fmt.nbytes * fmt.values
     return out, (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+
+
+def _weight_buffer(n: int, row_bytes: int) -> torch.Tensor:
+    """uint8 [n, row_bytes] for a weight kept as long as the model: on huge pages where the
+    system gives them (`heap.huge_page_buffer`)."""
+    got = huge_page_buffer(n * row_bytes)
+    if got is None:
+        return torch.empty(n, row_bytes, dtype=torch.uint8)
+    buffer, offset = got
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=n * row_bytes, offset=offset)
+    return flat.view(n, row_bytes)
 
 
 def _repacked(status: int) -> None:

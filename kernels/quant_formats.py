@@ -40,9 +40,10 @@ class QuantFormat:
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 = "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 Q4_K, Q5_K, Q6_K = "q4_k", "q5_k", "q6_k"
-# Q4_K, Q8_0, Q5_0 and Q4_0 with every 8 rows interleaved: made at load for the AVX512-VNNI
+# Q4_K, Q8_0, Q5_0, Q4_0 and Q6_K with every 8 rows interleaved: made at load for the AVX512-VNNI
 # one-row products (kernels/csrc/quant_r8.c has the layouts), never found in a file.
 Q4_K_R8, Q8_0_R8, Q5_0_R8, Q4_0_R8 = "q4_k_r8", "q8_0_r8", "q5_0_r8", "q4_0_r8"
+Q6_K_R8 = "q6_k_r8"
 FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
@@ -58,10 +59,11 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat(Q8_0_R8, 9, 32, 34, 8),  # 8 rows make a group block of 272
         QuantFormat(Q5_0_R8, 10, 32, 22, 8),  # of 176
         QuantFormat(Q4_0_R8, 11, 32, 18, 8),  # of 144
+        QuantFormat(Q6_K_R8, 12, 256, 210, 8),  # of 1680
     )
 }
 # each interleaved format: the file's format it is made from
-R8_SOURCES = {Q4_K_R8: Q4_K, Q8_0_R8: Q8_0, Q5_0_R8: Q5_0, Q4_0_R8: Q4_0}
+R8_SOURCES = {Q4_K_R8: Q4_K, Q8_0_R8: Q8_0, Q5_0_R8: Q5_0, Q4_0_R8: Q4_0, Q6_K_R8: Q6_K}
 LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # blocks of 32 (kernels/csrc/quant_legacy.c)
 K_QUANTS = (Q4_K, Q5_K, Q6_K)  # super-blocks of 256 (kernels/csrc/quant_kquants.c)
 
@@ -239,12 +241,39 @@ def r8_to_q5_0(qweight: torch.Tensor, qtype: str = Q5_0_R8) -> torch.Tensor:
     return blocks.transpose(1, 2).reshape(n, -1).contiguous()
 
 
+def r8_to_q6_k(qweight: torch.Tensor) -> torch.Tensor:
+    """Q6_K_R8 weights, uint8 [N, K / 256 * 210], back as the Q6_K rows they were made from (the
+    same shape; the reference of `ae_unpack_r8`)."""
+    n = qweight.shape[0]
+    if n % 8:
+        raise ValueError(f"{Q6_K_R8} weights have a multiple of 8 rows, not {n}")
+    g = qweight.reshape(n // 8, -1, 1680)  # [groups, super-blocks, 1680]
+    lead = g.shape[:2]
+    d = g[..., :16].reshape(*lead, 8, 2)  # row r's fp16 d
+    sc = g[..., 16:144].reshape(*lead, 16, 8).transpose(-1, -2)  # [r][j] int8 scales
+    parts = g[..., 144:].reshape(*lead, 8, 3, 64)  # low chunks 2p, 2p + 1, high chunk p
+    lo = parts[..., :2, :].reshape(*lead, 16, 8, 2, 4)  # [c][r][h][e]: steps 2c, 2c + 1
+    lo = torch.stack([lo & 15, lo >> 4], dim=3).reshape(*lead, 32, 8, 2, 4)  # [t][r][h][e]
+    hi = parts[..., 2, :].reshape(*lead, 8, 8, 2, 4)  # [c][r][h][e]: steps 4c .. 4c + 3
+    hi = torch.stack([(hi >> (2 * i)) & 3 for i in range(4)], dim=3).reshape(*lead, 32, 8, 2, 4)
+    u = (lo | (hi << 4)).permute(0, 1, 3, 2, 4, 5).reshape(*lead, 8, 2, 4, 32)  # [r][half][q]
+    q0, q1, q2, q3 = u.unbind(-2)  # values l, l + 32, l + 64, l + 96 of a half
+    ql = torch.cat([(q0 & 15) | ((q2 & 15) << 4), (q1 & 15) | ((q3 & 15) << 4)], dim=-1)
+    qh = (q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6)
+    blocks = torch.cat(
+        [ql.reshape(*lead, 8, 128), qh.reshape(*lead, 8, 64), sc, d], dim=-1
+    )  # [groups, super-blocks, r, 210]
+    return blocks.transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def r8_to_file(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
     """Weights of an interleaved format `qtype` back as the file's rows they were made from."""
     if qtype == Q4_K_R8:
         return r8_to_q4_k(qweight)
     if qtype == Q8_0_R8:
         return r8_to_q8_0(qweight)
+    if qtype == Q6_K_R8:
+        return r8_to_q6_k(qweight)
     return r8_to_q5_0(qweight, qtype)
 
 
@@ -261,7 +290,7 @@ def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> tor
         group_bytes, scales = (1152, 16) if qtype == Q4_K_R8 else (8 * fmt.nbytes, 8)
         shape = (n // 8 * k // fmt.values, group_bytes)
         raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
-        lo, hi = (1e-3, 2e-2) if qtype == Q4_K_R8 else (-0.05, 0.05)
+        lo, hi = (1e-3, 2e-2) if qtype in (Q4_K_R8, Q6_K_R8) else (-0.05, 0.05)
         values = torch.rand(raw.shape[0], scales, generator=generator) * (hi - lo) + lo
         raw[:, : 2 * scales] = values.half().view(torch.uint8)
         return raw.reshape(n, -1)

@@ -163,13 +163,14 @@ void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_
                           float *d, int num_threads);
 /* Format codes as quant_formats.FORMATS: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of
  * 32, quant_legacy.c), 5 Q4_K, 6 Q5_K, 7 Q6_K (super-blocks of 256, quant_kquants.c), 8 Q4_K,
- * 9 Q8_0, 10 Q5_0 and 11 Q4_0 with every 8 rows interleaved (quant_r8.c). */
+ * 9 Q8_0, 10 Q5_0, 11 Q4_0 and 12 Q6_K with every 8 rows interleaved (quant_r8.c). */
 #define AE_QUANT_Q4_K 5
 #define AE_QUANT_Q4_K_R8 8
 #define AE_QUANT_Q8_0_R8 9
 #define AE_QUANT_Q5_0_R8 10
 #define AE_QUANT_Q4_0_R8 11
-#define AE_QUANT_FORMATS 12 /* codes 0 .. this - 1 */
+#define AE_QUANT_Q6_K_R8 12
+#define AE_QUANT_FORMATS 13 /* codes 0 .. this - 1 */
 int ae_quant_formats(void);
 int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
@@ -185,7 +186,7 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
 int ae_quant_gemm_min_rows(void);
 
 /* quant_r8.c: the file's rows [N][K / values * bytes] of the format interleaved format fmt
- * (8-11) is made from (Q4_K, Q8_0, Q5_0, Q4_0) in fmt's layout and back, the same number of
+ * (8-12) is made from (Q4_K, Q8_0, Q5_0, Q4_0, Q6_K) in fmt's layout and back, the same number of
  * bytes; N a multiple of 8 and K of the block's values (0; -2 otherwise; -3 for another
  * fmt); the bytes come back exactly */
 int ae_repack_r8(int fmt, const void *src, void *dst, int64_t N, int64_t K, int num_threads);
@@ -206,7 +207,7 @@ int ae_linear_kquant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, co
                      int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                      int num_threads);
 
-/* quant_r8.c: ae_linear_quant for formats 8 to 11 (the same arguments and returns; -2 also
+/* quant_r8.c: ae_linear_quant for formats 8 to 12 (the same arguments and returns; -2 also
  * where N is not a multiple of 8) */
 int ae_linear_r8(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                  int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,

@@ -233,7 +233,7 @@ int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, vo
 #pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
     {
         float y[256];
-        uint8_t blk[144];
+        uint8_t blk[256]; /* an interleaved row's block as the file's (up to Q6_K's 210) */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + n * row_bytes;
@@ -242,6 +242,7 @@ int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, vo
                     const uint8_t *g = (const uint8_t *)w + ((n / 8) * nb + i) * gb;
                     if (r8 == AE_QUANT_Q4_K_R8) q4k_r8_block(g, (int)(n % 8), blk);
                     else if (r8 == AE_QUANT_Q8_0_R8) q8r8_block(g, (int)(n % 8), blk);
+                    else if (r8 == AE_QUANT_Q6_K_R8) q6kr8_block(g, (int)(n % 8), blk);
                     else q50r8_block(g, (int)(n % 8), r8 == AE_QUANT_Q5_0_R8, blk);
                     dequant_block(fmt, blk, y);
                 } else

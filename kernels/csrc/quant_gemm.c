@@ -66,6 +66,7 @@ static const struct fmt_info FMT[AE_QUANT_FORMATS] = {
     {32, 34, 32, 128, 0}, /* Q8_0_R8: the same (unpack_group_q8r8) */
     {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same (unpack_group_q50r8) */
     {32, 18, 32, 8, 0},
+    {256, 210, 16, 32, 0}, /* Q6_K_R8: the same (unpack_group_q6kr8) */
 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -218,6 +219,22 @@ static void unpack_group_q50r8(const uint8_t *restrict w, int64_t g, int64_t nb,
         for (int r = 0; r < 8; r++) q50r8_values(blk, r, hb, u + r * ld + i * 32);
         const __m128i d = _mm_loadu_si128((const __m128i *)blk);
         _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
+    }
+}
+
+/* Rows 8g..8g+7 of Q6_K_R8 weights w (nsb super-blocks a row), their super-blocks b0 ..
+ * b0 + n - 1, as unpack_row_7 unpacks 8 Q6_K rows: u = q + 32, d times each 16 values' scale. */
+static void unpack_group_q6kr8(const uint8_t *restrict w, int64_t g, int64_t nsb, int64_t b0,
+                               int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
+                               int col) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *blk = w + (g * nsb + b0 + i) * Q6KR8_BYTES;
+        for (int r = 0; r < 8; r++) {
+            int8_t s[16];
+            q6kr8_values(blk, r, u + r * ld + i * 256, s);
+            const float d = f16_at(blk + 2 * r);
+            for (int t = 0; t < 16; t++) sc[(i * 16 + t) * PANEL + col + r] = d * (float)s[t];
+        }
     }
 }
 
@@ -430,6 +447,9 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
                         else if (c % 8 == 0 && fmt == AE_QUANT_Q8_0_R8)
                             unpack_group_q8r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32, u + c * kc,
                                               kc, sc, c);
+                        else if (c % 8 == 0 && fmt == AE_QUANT_Q6_K_R8)
+                            unpack_group_q6kr8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256,
+                                               u + c * kc, kc, sc, c);
                         else if (c % 8 == 0)
                             unpack_group_q50r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32,
                                                u + c * kc, kc, sc, c,

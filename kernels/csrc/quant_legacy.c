@@ -853,14 +853,15 @@ int ae_quant_gemm_min_rows(void) {
 int ae_quant_formats(void) {
     return (1 << FMT_Q8_0) | (1 << FMT_Q4_0) | (1 << FMT_Q4_1) | (1 << FMT_Q5_0) |
            (1 << FMT_Q5_1) | ae_kquant_formats() | (1 << AE_QUANT_Q4_K_R8) |
-           (1 << AE_QUANT_Q8_0_R8) | (1 << AE_QUANT_Q5_0_R8) | (1 << AE_QUANT_Q4_0_R8);
+           (1 << AE_QUANT_Q8_0_R8) | (1 << AE_QUANT_Q5_0_R8) | (1 << AE_QUANT_Q4_0_R8) |
+           (1 << AE_QUANT_Q6_K_R8);
 }
 
 /*
  * out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N, with W in the blocks of
  * format fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1: this file, as described at the top;
- * 5 Q4_K, 6 Q5_K, 7 Q6_K: quant_kquants.c; 8 Q4_K_R8, 9 Q8_0_R8, 10 Q5_0_R8, 11 Q4_0_R8:
- * quant_r8.c) and x's rows quantized to int8 blocks of 32 first.
+ * 5 Q4_K, 6 Q5_K, 7 Q6_K: quant_kquants.c; 8 Q4_K_R8, 9 Q8_0_R8, 10 Q5_0_R8, 11 Q4_0_R8,
+ * 12 Q6_K_R8: quant_r8.c) and x's rows quantized to int8 blocks of 32 first.
  * dt: the dtype of x, bias and out (fp32, bf16 or fp16); x [M][K] with row stride x_st; w:
  * N rows of whole blocks; bias: N values or NULL; out [M][N] with row stride o_st.
  * Returns 0; -1 when out of memory; -2 when K is not a positive multiple of the block's

@@ -77,6 +77,7 @@
 #define QKK 256
 #define SB_BYTES 144
 #define Q8_BYTES 34 /* a Q8_0 block */
+#define Q6K_BYTES 210 /* a Q6_K super-block */
 #define GROUPS_PER_ITEM 2 /* 16 weight rows an item (or more: see linear_r8_vnni) */
 #define MAX_R 4           /* rows of x per tile */
 #define PATH_VNNI 2       /* quant_legacy.c's path code */
@@ -135,11 +136,29 @@ static void repack_q50_group(const uint8_t *src, int64_t row_bytes, int64_t b, i
     }
 }
 
+/* Q6_K rows' super-block b into a Q6_K_R8 group block */
+static void repack_q6k_group(const uint8_t *src, int64_t row_bytes, int64_t b, uint8_t *o) {
+    memset(o + 144, 0, Q6KR8_BYTES - 144);
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *blk = src + r * row_bytes + b * Q6K_BYTES;
+        uint8_t u[QKK];
+        memcpy(o + 2 * r, blk + 208, 2);
+        for (int j = 0; j < 16; j++) o[16 + 8 * j + r] = blk[192 + j];
+        unpack_sb(FMT_Q6_K, blk, u);
+        for (int v = 0; v < QKK; v++) {
+            const int t = v / 8, p = r8_lane_byte(v, r);
+            o[q6kr8_low(t / 2) + p] |= (uint8_t)((u[v] & 15) << (4 * (t % 2)));
+            o[q6kr8_high(t / 4) + p] |= (uint8_t)((u[v] >> 4) << (2 * (t % 4)));
+        }
+    }
+}
+
 /* Row r of group block g of interleaved format fmt as the file's block it was made from */
 static void r8_block(int fmt, const uint8_t *g, int r, uint8_t *blk) {
     switch (fmt) {
     case FMT_Q4_K_R8: q4k_r8_block(g, r, blk); break;
     case FMT_Q8_0_R8: q8r8_block(g, r, blk); break;
+    case FMT_Q6_K_R8: q6kr8_block(g, r, blk); break;
     default: q50r8_block(g, r, fmt == FMT_Q5_0_R8, blk); break;
     }
 }
@@ -147,7 +166,8 @@ static void r8_block(int fmt, const uint8_t *g, int r, uint8_t *blk) {
 /* The file's block bytes and values of fmt's source format, or 0 when fmt is no interleaved
  * format or N, K do not fit it */
 static int64_t r8_shape(int fmt, int64_t N, int64_t K, int64_t *values) {
-    static const int64_t BLOCK[4][2] = {{SB_BYTES, QKK}, {Q8_BYTES, 32}, {22, 32}, {18, 32}};
+    static const int64_t BLOCK[5][2] = {
+        {SB_BYTES, QKK}, {Q8_BYTES, 32}, {22, 32}, {18, 32}, {Q6K_BYTES, QKK}};
     if (r8_source_format(fmt) < 0) return 0;
     const int64_t *bv = BLOCK[fmt - FMT_Q4_K_R8];
     if (N < 0 || N % 8 || K <= 0 || K % bv[1]) return 0;
@@ -167,6 +187,7 @@ int ae_repack_r8(int fmt, const void *src, void *dst, int64_t N, int64_t K, int 
             uint8_t *o = (uint8_t *)dst + (g * nb + b) * gb;
             if (fmt == FMT_Q4_K_R8) repack_group(rows, row_bytes, b, o);
             else if (fmt == FMT_Q8_0_R8) repack_q8_group(rows, row_bytes, b, o);
+            else if (fmt == FMT_Q6_K_R8) repack_q6k_group(rows, row_bytes, b, o);
             else repack_q50_group(rows, row_bytes, b, fmt == FMT_Q5_0_R8, o);
         }
     return 0;
@@ -210,6 +231,21 @@ static void row_sums(const int8_t *a, const float *da32, int64_t K, int16_t *mv,
         for (int w = 0; w < 64; w++) {
             const int z = w / 32, L = (w % 32) / 2, jp = 2 * z + L / 8;
             mv[64 * b + w] = bs[2 * jp + w % 2];
+        }
+        da[b] = da32[8 * b];
+    }
+}
+
+/* Q6_K_R8's per super-block b: off + 32 b, per sub-block j of 16 values two int32, -32 times
+ * the sum of a over its values of each half h (8t + 4h + e, the lanes they meet); da[b]. */
+static void row_offsets_q6k(const int8_t *a, const float *da32, int64_t K, int32_t *off,
+                            float *da) {
+    for (int64_t b = 0; b < K / QKK; b++) {
+        for (int j = 0; j < 16; j++) {
+            int32_t h[2] = {0, 0};
+            for (int k = 0; k < 16; k++) h[(k % 8) / 4] += a[b * QKK + 16 * j + k];
+            off[32 * b + 2 * j] = -32 * h[0];
+            off[32 * b + 2 * j + 1] = -32 * h[1];
         }
         da[b] = da32[8 * b];
     }
@@ -378,6 +414,58 @@ struct r8_job {
     int dt, fmt;
 };
 
+/* Q6_K_R8: R rows of x (a: int8 values, da: a scale per super-block, mv: row_offsets_q6k's)
+ * against one group of 8 weight rows of nsb super-blocks. Per sub-block j (16 values: steps
+ * 2j and 2j + 1, low chunk j, half of high chunk j / 2) two vpdpbusd
+ * from the offset's share, one vpmulld by the 8 rows' scales (each twice), summed in int32 for
+ * the super-block: |sum| <= 16 x 64 x 127 x 128 x 16, an int32. */
+static ALWAYS_INLINE void tile_q6kr8(const int R, const uint8_t *w, int64_t nsb,
+                                     const struct r8_rows *x, float *res, int64_t res_st) {
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[MAX_R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *o = w + b * Q6KR8_BYTES;
+        const __m512 d16 = _mm512_permutexvar_ps(
+            dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o))));
+        __m512i isum[MAX_R];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const __m512i q = _mm512_loadu_si512(o + q6kr8_low(j));
+            const __m512i hb = _mm512_loadu_si512(o + q6kr8_high(j / 2));
+            /* steps 2j, 2j + 1: bits 2i..2i + 1 and 2i + 2..2i + 3 of the high chunk (i =
+             * 2 (j % 2)) to bits 4..5; what a 16-bit shift brings from the other byte is
+             * masked off */
+            const __m512i h0 = j % 2 ? hb : _mm512_slli_epi16(hb, 4);
+            const __m512i h1 = j % 2 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+            const __m512i u0 = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(h0, m30));
+            const __m512i u1 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), _mm512_and_si512(h1, m30));
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(o + 16 + 8 * j));
+            const __m512i scv = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(s8, s8));
+            for (int r = 0; r < R; r++) {
+                const int64_t *a = (const int64_t *)(x[r].a + b * QKK + 16 * j);
+                const int64_t *off = (const int64_t *)x[r].mv + 16 * b + j;
+                __m512i s = _mm512_dpbusd_epi32(_mm512_set1_epi64(*off), u0,
+                                                _mm512_set1_epi64(a[0]));
+                s = _mm512_dpbusd_epi32(s, u1, _mm512_set1_epi64(a[1]));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s, scv));
+            }
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                     _mm512_mul_ps(d16, _mm512_set1_ps(x[r].da[b])), acc[r]);
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        _mm256_storeu_ps(res + r * res_st,
+                         _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
+    }
+}
+
 /* The tile of fmt, R rows of x (one inlined copy per format and R) */
 static ALWAYS_INLINE void tile_for(const int R, const int fmt, const uint8_t *w, int64_t nblk,
                                    const struct r8_rows *x, float *res, int64_t res_st) {
@@ -385,13 +473,14 @@ static ALWAYS_INLINE void tile_for(const int R, const int fmt, const uint8_t *w,
     case FMT_Q4_K_R8: tile_r8(R, w, nblk, x, res, res_st); break;
     case FMT_Q8_0_R8: tile_r8_32(R, FMT_Q8_0_R8, w, nblk, x, res, res_st); break;
     case FMT_Q5_0_R8: tile_r8_32(R, FMT_Q5_0_R8, w, nblk, x, res, res_st); break;
+    case FMT_Q6_K_R8: tile_q6kr8(R, w, nblk, x, res, res_st); break;
     default: tile_r8_32(R, FMT_Q4_0_R8, w, nblk, x, res, res_st); break;
     }
 }
 
 static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commit) {
     const struct r8_job *j = ctx;
-    const int kq = j->fmt == FMT_Q4_K_R8;
+    const int kq = j->fmt == FMT_Q4_K_R8 || j->fmt == FMT_Q6_K_R8; /* super-blocks of 256 */
     /* blocks a row, their int16 / int32 sums of a a row (mv), group block bytes */
     const int64_t nblk = kq ? j->K / QKK : j->K / 32, mv_row = kq ? 64 * nblk : 4 * nblk;
     const int64_t gb = r8_group_bytes(j->fmt);
@@ -422,11 +511,12 @@ static void r8_item(const void *ctx, int64_t item, const struct ae_commit *commi
 static int linear_r8_vnni(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
                           const void *w, int64_t N, int64_t K, const void *bias, void *out,
                           int64_t o_st, int num_threads) {
-    const int q8 = fmt != FMT_Q4_K_R8; /* blocks of 32: Q8_0, Q5_0, Q4_0 */
+    const int q8 = fmt != FMT_Q4_K_R8 && fmt != FMT_Q6_K_R8; /* blocks of 32: Q8_0, Q5_0, Q4_0 */
     const int64_t nsb = K / QKK, nb = K / 32;
     /* x's rows where the item's threads read them: the pool's buffer when the caller holds
      * the pool (a late helper may read it after this call), else fresh memory. Floats first,
-     * then the sums (Q4_K: int16 pairs, 128 bytes a super-block; blocks of 32: two int32 a
+     * then the sums (Q4_K: int16 pairs, Q6_K: int32 pairs, 128 bytes a super-block; blocks
+     * of 32: two int32 a
      * block), then the bytes (each part a multiple of 64 bytes). */
     const size_t d_bytes = (size_t)(M * nb) * 4 + (size_t)(M * nsb) * 4;
     const size_t mv_bytes = (size_t)(M * (q8 ? nb * 8 : nsb * 128)), q_bytes = (size_t)(M * K);
@@ -454,8 +544,12 @@ static int linear_r8_vnni(int fmt, int dt, const void *x, int64_t x_st, int64_t 
         }
     } else {
         ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da32, pooled ? 1 : num_threads);
-        for (int64_t m = 0; m < M; m++)
-            row_sums(qa + m * K, da32 + m * nb, K, mv + m * nsb * 64, da + m * nsb);
+        for (int64_t m = 0; m < M; m++) {
+            if (fmt == FMT_Q6_K_R8)
+                row_offsets_q6k(qa + m * K, da32 + m * nb, K, (int32_t *)(mv + m * nsb * 64),
+                                da + m * nsb);
+            else row_sums(qa + m * K, da32 + m * nb, K, mv + m * nsb * 64, da + m * nsb);
+        }
     }
     int64_t per_item = GROUPS_PER_ITEM;
     while ((N / 8 + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += GROUPS_PER_ITEM;

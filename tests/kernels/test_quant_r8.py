@@ -1,10 +1,10 @@
-"""Q4_K, Q8_0, Q5_0 and Q4_0 weights with every 8 rows interleaved (Q4_K_R8, Q8_0_R8, Q5_0_R8,
-Q4_0_R8: kernels/csrc/quant_r8.c), made at load on AVX512-VNNI machines: the repack and its
-inverse give back the file's bytes exactly (the native one against the torch reading of the
-layout), and every product over the repacked rows (the VNNI one-row tiles, the panel GEMM, the
-other paths' fallback, dequantization) gives the numbers of the same product over the file's
-rows: the integer sums are the same, only the order of the fp32 sums differs (the GEMM's, not
-even that)."""
+"""Q4_K, Q8_0, Q5_0, Q4_0 and Q6_K weights with every 8 rows interleaved (Q4_K_R8, Q8_0_R8,
+Q5_0_R8, Q4_0_R8, Q6_K_R8: kernels/csrc/quant_r8.c), made at load on AVX512-VNNI machines: the
+repack and its inverse give back the file's bytes exactly (the native one against the torch
+reading of the layout), and every product over the repacked rows (the VNNI one-row tiles, the
+panel GEMM, the other paths' fallback, dequantization) gives the numbers of the same product
+over the file's rows: the integer sums are the same, only the order of the fp32 sums differs
+(the GEMM's, not even that)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from asyncengine.kernels.quant_cpu import (
     Q4_K_R8,
     Q5_0,
     Q5_0_R8,
+    Q6_K,
+    Q6_K_R8,
     Q8_0,
     Q8_0_R8,
     decode_layout,
@@ -32,9 +34,11 @@ from asyncengine.kernels.quant_cpu import (
 )
 from asyncengine.kernels.quant_formats import (
     FORMATS,
+    LEGACY,
     dequantize,
     r8_to_q4_k,
     r8_to_q5_0,
+    r8_to_q6_k,
     r8_to_q8_0,
     random_blocks,
 )
@@ -46,12 +50,13 @@ pytestmark = [
 PATHS_HERE = quant_cpu.available_paths() if load_native() is not None else ()
 SHAPES = [(8, 256), (24, 768), (136, 2304), (64, 2048)]  # N x K
 # the file's format: its interleaved one
-R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8, Q5_0: Q5_0_R8, Q4_0: Q4_0_R8}
+R8 = {Q4_K: Q4_K_R8, Q8_0: Q8_0_R8, Q5_0: Q5_0_R8, Q4_0: Q4_0_R8, Q6_K: Q6_K_R8}
 READ_BACK = {  # the torch readings of the layouts
     Q4_K_R8: r8_to_q4_k,
     Q8_0_R8: r8_to_q8_0,
     Q5_0_R8: r8_to_q5_0,
     Q4_0_R8: lambda w: r8_to_q5_0(w, Q4_0_R8),
+    Q6_K_R8: r8_to_q6_k,
 }
 FILE_FORMATS = pytest.mark.parametrize("qtype", list(R8))
 
@@ -64,7 +69,7 @@ def _best_path_after() -> Iterator[None]:
 
 def _file_rows(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Random rows of a file's `qtype` (the legacy formats as their quantizer writes them)."""
-    if qtype != Q4_K:
+    if qtype in LEGACY:
         return quant_cpu.quantize_weight(torch.randn(n, k, generator=gen) * 0.02, qtype)
     return random_blocks(qtype, n, k, gen)
 
@@ -122,11 +127,12 @@ def test_the_rows_of_a_group_are_not_mixed(qtype: str) -> None:
     gen = torch.Generator().manual_seed(4)
     rows = random_blocks(qtype, 16, 256, gen)
     blocks = rows.view(16, -1, FORMATS[qtype].nbytes)
-    blocks[:, :, : 4 if qtype == Q4_K else 2] = 0  # d (and dmin) zero: every weight zero
+    d_at = 208 if qtype == Q6_K else 0  # the block's fp16 d (Q4_K's dmin after it)
+    blocks[:, :, d_at : d_at + (4 if qtype == Q4_K else 2)] = 0  # every weight zero
     x = torch.randn(1, 256, generator=gen)
     for row in (0, 5, 8, 15):
         one = rows.clone()
-        one.view(16, -1, blocks.shape[-1])[row, :, 1] = 0x3C  # d = 1.0
+        one.view(16, -1, blocks.shape[-1])[row, :, d_at + 1] = 0x3C  # d = 1.0
         out = linear_quant_cpu(x, repack_r8(one, qtype), R8[qtype])[0]
         assert out[row] != 0 and torch.count_nonzero(out) == 1
         torch.testing.assert_close(out, linear_quant_cpu(x, one, qtype)[0], rtol=1e-5, atol=0)
@@ -143,7 +149,7 @@ def test_weights_not_in_groups_of_8_rows_are_refused(qtype: str) -> None:
     with pytest.raises(ValueError, match="multiple of 8"):
         random_blocks(R8[qtype], 12, 256, torch.Generator())
     with pytest.raises(ValueError, match="no 8-row interleaved layout"):
-        repack_r8(random_blocks("q6_k", 8, 256, torch.Generator()), "q6_k")
+        repack_r8(random_blocks("q5_k", 8, 256, torch.Generator()), "q5_k")
 
 
 @FILE_FORMATS
@@ -152,8 +158,8 @@ def test_the_decode_layout_is_interleaved_on_the_vnni_path_only(
 ) -> None:
     gen = torch.Generator().manual_seed(6)
     rows = random_blocks(qtype, 16, 256, gen)
-    q6k = random_blocks("q6_k", 16, 256, gen)
-    assert decode_layout(q6k, "q6_k") == (q6k, "q6_k")
+    q5k = random_blocks("q5_k", 16, 256, gen)
+    assert decode_layout(q5k, "q5_k") == (q5k, "q5_k")
     assert decode_layout(rows[:12].contiguous(), qtype)[1] == qtype  # not whole groups
     for path in PATHS_HERE:
         quant_cpu.set_path(path)
