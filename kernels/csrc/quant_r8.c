@@ -341,6 +341,17 @@ static ALWAYS_INLINE void tile_r8(const int R, const uint8_t *w, int64_t nsb,
     }
 }
 
+/* Row r of x's 8 sums, lanes 2r and 2r + 1 of acc[r] added, to res + r * res_st. */
+static ALWAYS_INLINE void store_pairs(const int R, const __m512 *acc, float *res,
+                                      int64_t res_st) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        _mm256_storeu_ps(res + r * res_st,
+                         _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
+    }
+}
+
 static ALWAYS_INLINE __mmask64 mask_at(const uint8_t *p) {
     uint64_t m;
     memcpy(&m, p, 8);
@@ -393,12 +404,7 @@ static ALWAYS_INLINE void tile_r8_32(const int R, const int fmt, const uint8_t *
                                      _mm512_mul_ps(d16, _mm512_set1_ps(x[r].da[b])), acc[r]);
         }
     }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int r = 0; r < R; r++) {
-        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
-        _mm256_storeu_ps(res + r * res_st,
-                         _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
-    }
+    store_pairs(R, acc, res, res_st);
 }
 
 /* ---- the product, item by item ---- */
@@ -458,12 +464,7 @@ static ALWAYS_INLINE void tile_q6kr8(const int R, const uint8_t *w, int64_t nsb,
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
                                      _mm512_mul_ps(d16, _mm512_set1_ps(x[r].da[b])), acc[r]);
     }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int r = 0; r < R; r++) {
-        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
-        _mm256_storeu_ps(res + r * res_st,
-                         _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
-    }
+    store_pairs(R, acc, res, res_st);
 }
 
 /* The tile of fmt, R rows of x (one inlined copy per format and R) */
