@@ -328,8 +328,8 @@ def _product(
 # Q4_K, Q8_0, Q5_0, Q4_0 and Q6_K weights of a multiple of 8 rows are repacked at load into their
 # 8-row interleaved formats (csrc/quant_r8.c) where the kernels take the AVX512-VNNI path: their
 # one-row products are faster than those over the file's bytes (Zen 4, one thread, from the
-# cache: Q4_K 1.6x, Q8_0 2.3x, Q5_0 and Q4_0 ~2.5x; docs/quantization.md), and the panel GEMM
-# reads them as well. Set to False to compare.
+# cache: Q4_K 1.6x, Q8_0 2.3x, Q5_0 2.6x, Q4_0 2.3x, Q6_K 1.2x; docs/quantization.md), and the
+# panel GEMM reads them as well. Set to False to compare.
 REPACK_R8 = True
 # the file's formats that have an interleaved layout, and its name
 _R8 = {source: r8 for r8, source in R8_SOURCES.items()}

@@ -4,8 +4,8 @@ as the file stores them.
 - Q8_0 / Q4_0 weights stay quantized: `QuantLinear` over a zero-copy view of the file's
   mapping (the view holds the mapping, so it lives as long as the model). llama-arch files
   store q/k rows permuted per head (llama.cpp's converter): those two tensors are copied with
-  their rows (whole blocks) put back in HF order. On AVX512-VNNI, Q4_K, Q8_0, Q5_0 and Q4_0
-  weights are copied 8 rows interleaved instead (`decode_layout`), the file's pages of them
+  their rows (whole blocks) put back in HF order. On AVX512-VNNI, Q4_K, Q8_0, Q5_0, Q4_0 and
+  Q6_K weights are copied 8 rows interleaved instead (`decode_layout`), the file's pages of them
   released.
 - q/k/v and gate/up of one quantized type are joined into one layer each (their rows
   concatenated into a copy, the file's pages released): one product reads them as one stream

@@ -178,7 +178,9 @@ class QuantEmbedding:
         if ids.numel() == 1:  # one stream's decode step: slices, no index ops
             i = int(ids[0])
             start = i - i % self.group
-            return self._dequantize(self.qweight[start : start + self.group])[i - start :][:1]
+            return self._dequantize(self.qweight[start : start + self.group])[
+                i - start : i - start + 1
+            ]
         if ids.numel() > UNIQUE_GROUPS_FROM:
             groups, at = torch.unique(ids // self.group, return_inverse=True)
         else:
