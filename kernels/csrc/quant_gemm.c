@@ -208,32 +208,77 @@ static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, 
     }
 }
 
+/* The 8 rows' values of `steps` steps (8 values each) held in v[0 .. steps - 1], 64-bit lane r
+ * of each being row r's values of its step, to rows u + r * ld (the steps' values in order). */
+static ALWAYS_INLINE void store_lanes(const __m512i *v, int steps, uint8_t *restrict u,
+                                      int64_t ld) {
+    uint64_t lanes[8][8] __attribute__((aligned(64))); /* [step][row] */
+    for (int t = 0; t < steps; t++) _mm512_store_si512(lanes[t], v[t]);
+    for (int r = 0; r < 8; r++)
+        for (int t = 0; t < steps; t++) memcpy(u + r * ld + 8 * t, &lanes[t][r], 8);
+}
+
 /* Rows 8g..8g+7 of Q5_0_R8 (hb 1) or Q4_0_R8 (hb 0) weights w, their blocks b0 .. b0 + n - 1,
- * as unpack_row_3 / unpack_row_1 unpack 8 rows: u = q + 16 (q + 8), the blocks' d. */
+ * as unpack_row_3 / unpack_row_1 unpack 8 rows: u = q + 16 (q + 8), the blocks' d. Chunk c
+ * holds steps 2c (low nibbles) and 2c + 1 (high), each in Q8_0_R8's lanes; step s's fifth
+ * bits are the 64-bit mask at 144 + 8s, bit p for byte p of its step. */
 static void unpack_group_q50r8(const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
                                int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
                                int col, int hb) {
     const int64_t gb = hb ? Q50R8_BYTES : Q40R8_BYTES;
+    const __m512i m4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *blk = w + (g * nb + b0 + i) * gb;
-        for (int r = 0; r < 8; r++) q50r8_values(blk, r, hb, u + r * ld + i * 32);
+        __m512i v[4];
+        for (int c = 0; c < 2; c++) {
+            const __m512i P = _mm512_loadu_si512(blk + 16 + 64 * c);
+            v[2 * c] = _mm512_and_si512(P, m4);
+            v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
+        }
+        if (hb)
+            for (int s = 0; s < 4; s++) {
+                uint64_t bits;
+                memcpy(&bits, blk + 144 + 8 * s, 8);
+                v[s] = _mm512_or_si512(v[s], _mm512_maskz_mov_epi8((__mmask64)bits, b4));
+            }
+        store_lanes(v, 4, u + i * 32, ld);
         const __m128i d = _mm_loadu_si128((const __m128i *)blk);
         _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
     }
 }
 
 /* Rows 8g..8g+7 of Q6_K_R8 weights w (nsb super-blocks a row), their super-blocks b0 ..
- * b0 + n - 1, as unpack_row_7 unpacks 8 Q6_K rows: u = q + 32, d times each 16 values' scale. */
+ * b0 + n - 1, as unpack_row_7 unpacks 8 Q6_K rows: u = q + 32, d times each 16 values' scale.
+ * Part p holds steps 4p .. 4p + 3: their low 4 bits in its two low chunks (low nibbles the
+ * even step), their high 2 bits at bits 2 (t % 4) of its high chunk (kquant_blocks.h). */
 static void unpack_group_q6kr8(const uint8_t *restrict w, int64_t g, int64_t nsb, int64_t b0,
                                int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
                                int col) {
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3 << 4);
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *blk = w + (g * nsb + b0 + i) * Q6KR8_BYTES;
-        for (int r = 0; r < 8; r++) {
-            int8_t s[16];
-            q6kr8_values(blk, r, u + r * ld + i * 256, s);
-            const float d = f16_at(blk + 2 * r);
-            for (int t = 0; t < 16; t++) sc[(i * 16 + t) * PANEL + col + r] = d * (float)s[t];
+        for (int p = 0; p < 8; p++) {
+            const __m512i L0 = _mm512_loadu_si512(blk + q6kr8_low(2 * p));
+            const __m512i L1 = _mm512_loadu_si512(blk + q6kr8_low(2 * p + 1));
+            const __m512i H = _mm512_loadu_si512(blk + q6kr8_high(p));
+            /* the high bits of step 4p + k, moved to bits 4-5 */
+            const __m512i h0 = _mm512_and_si512(_mm512_slli_epi16(H, 4), m3);
+            const __m512i h1 = _mm512_and_si512(_mm512_slli_epi16(H, 2), m3);
+            const __m512i h2 = _mm512_and_si512(H, m3);
+            const __m512i h3 = _mm512_and_si512(_mm512_srli_epi16(H, 2), m3);
+            const __m512i v[4] = {
+                _mm512_or_si512(_mm512_and_si512(L0, m4), h0),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), m4), h1),
+                _mm512_or_si512(_mm512_and_si512(L1, m4), h2),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), m4), h3),
+            };
+            store_lanes(v, 4, u + i * 256 + 32 * p, ld);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int t = 0; t < 16; t++) { /* scale t of the 8 rows: 8 bytes at 16 + 8t */
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * t));
+            const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
+            _mm256_storeu_ps(sc + (i * 16 + t) * PANEL + col, _mm256_mul_ps(d, sv));
         }
     }
 }
