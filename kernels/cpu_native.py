@@ -83,7 +83,7 @@ _int, _i64, _float, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.
 # The C functions Python calls: name -> (return type, argument types), as ae_kernels.h
 # declares them (every pointer is a void pointer here).
 SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
-    "ae_paged_attention": (None, (
+    "ae_paged_attention": (_int, (
         _int,  # dtype code
         _ptr, _i64, _i64,  # query, token stride, head stride
         _ptr, _i64, _i64,  # out, token stride, head stride
@@ -229,7 +229,7 @@ class NativeKernels:
     """The loaded library's entry points (see ae_kernels.h and the C files for their contracts)."""
 
     path: Path
-    paged_attention: Callable[..., None]
+    paged_attention: Callable[..., int]
     reshape_and_cache: Callable[..., None]
     rotary: Callable[..., None]
     rms_norm: Callable[..., None]
@@ -355,7 +355,7 @@ def _function(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
 def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
     return NativeKernels(
         path=path,
-        paged_attention=_function(lib, "ae_paged_attention"),
+        paged_attention=_function(lib, "ae_paged_attention"),  # type: ignore[arg-type]
         reshape_and_cache=_function(lib, "ae_reshape_and_cache"),
         rotary=_function(lib, "ae_rotary"),
         rms_norm=_function(lib, "ae_rms_norm"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine.kernels.cpu_native import NativeKernels
-from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan
+from asyncengine.kernels.paged_attention_cpu import CpuAttentionPlan, unsound_tables_message
 
 # ae_kernels.h's enum ae_layer_field, in its order (tests/model/test_decode_layers.py checks):
 # the columns of the per-layer table of addresses. A weight's "*_kp" column is 0 for the dense
@@ -64,6 +64,8 @@ def decode_layers_bf16(
           (lora[0].data_ptr(), lora[1].data_ptr(), lora[2].numel(), lora[2].data_ptr())),
         torch.get_num_threads(),
     )  # fmt: skip
+    if status == -2:
+        raise ValueError(unsound_tables_message(plan, cache_shape[2], cache_shape[3]))
     if status != 0:
         raise MemoryError(f"decode_layers_bf16: no memory for a {num_tokens}-token step's scratch")
     return mlp_out

@@ -84,6 +84,33 @@ def plan_paged_attention_cpu(
     )
 
 
+def unsound_tables_message(plan: CpuAttentionPlan, num_blocks: int, block_size: int) -> str:
+    """Why the kernel refused a plan's tables (its tables_sound): the first sequence at fault."""
+    width = plan.block_table.shape[1] if plan.block_table.dim() == 2 else 0
+    for i, (start, q_len, seq_len) in enumerate(
+        zip(plan.q_start.tolist(), plan.q_lens.tolist(), plan.seq_lens.tolist(), strict=True)
+    ):
+        needed = -(-seq_len // block_size)
+        if start < 0 or q_len < 0 or seq_len < q_len:
+            return (
+                f"paged attention: sequence {i} has {q_len} query tokens at row {start} of "
+                f"{seq_len} in all; the query tokens must be at a row >= 0 and at most its length"
+            )
+        if needed > width:
+            return (
+                f"paged attention: sequence {i} of {seq_len} tokens needs {needed} blocks of "
+                f"{block_size}, its block table row has {width}"
+            )
+        ids = plan.block_table[i, :needed].tolist()
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        if bad:
+            return (
+                f"paged attention: sequence {i}'s block table holds block {bad[0]}; the cache "
+                f"has blocks 0 to {num_blocks - 1}"
+            )
+    return "paged attention: the step's tables do not describe the cache"
+
+
 def paged_attention_cpu(
     query: torch.Tensor,  # [T, H_q, D]
     key: torch.Tensor,  # [T, H_kv, D] this step's keys (also written to the cache)
@@ -99,7 +126,7 @@ def paged_attention_cpu(
     num_native = plan.q_start.numel()
     if num_native:
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-        require_native().paged_attention(
+        status = require_native().paged_attention(
             DTYPE_CODES[kv_cache.dtype],
             q.data_ptr(), q.stride(0), q.stride(1),
             output.data_ptr(), output.stride(0), output.stride(1),
@@ -109,6 +136,8 @@ def paged_attention_cpu(
             plan.block_table.data_ptr(), plan.block_table.stride(0), num_native,
             scale, plan.num_threads,
         )  # fmt: skip
+        if status != 0:
+            raise ValueError(unsound_tables_message(plan, num_blocks, block_size))
     if plan.prefills:
         attend_prefills(q, key, value, kv_cache, plan.prefills, scale, output, keys_transposed=True)
     return output if output.dtype == query.dtype else output.to(query.dtype)

@@ -24,13 +24,13 @@ enum ae_dtype { AE_F32 = 0, AE_BF16 = 1, AE_F16 = 2 };
 
 /* ---- Called from Python (ctypes) ---- */
 
-/* attention.c */
-void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
-                        int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
-                        const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
-                        const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
-                        float scale, int num_threads);
+/* attention.c: 0, or -2 where the tables are not sound (nothing written) */
+int ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
+                       int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
+                       int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
+                       const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                       const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
+                       float scale, int num_threads);
 
 /* rotary_cache.c */
 void ae_reshape_and_cache(int dt, const void *key, int64_t k_st, int64_t k_sh,
@@ -78,7 +78,8 @@ void ae_dense_panel_order(int32_t *order);
  * with that padded input extent; < 0, GGUF blocks of ae_linear_quant's format -KP - 1 (its
  * bias bf16). A step with LoRA rows passes their segments (lora.c's ae_lora_add's rows,
  * seg_rows, and per segment its adapter's [num_layers][AE_LORA_GROUPS][AE_LORA_FIELDS]
- * descriptors); lora_segs 0: none. */
+ * descriptors); lora_segs 0: none. 0 on success, -1 when out of memory, -2 where the
+ * attention's tables are not sound (attention.c's tables_sound). */
 enum ae_layer_field {
     AE_LAYER_IN_NORM, AE_LAYER_POST_NORM, AE_LAYER_Q_W, AE_LAYER_K_W, AE_LAYER_V_W,
     AE_LAYER_Q_B, AE_LAYER_K_B, AE_LAYER_V_B, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_GATE_W,
@@ -215,7 +216,7 @@ int ae_linear_r8(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const 
 
 /* attention.c: ae_paged_attention of bf16 on linear.c's work pool (pool.c), for
  * decode_layers.c: query [T][hq * head_dim] rows of stride q_st, out of stride o_st (heads
- * contiguous). 0 on success, -1 when out of memory. */
+ * contiguous). 0 on success, -1 when out of memory, -2 where the tables are not sound. */
 int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *out,
                             int64_t o_st, const void *kv_cache, int64_t num_kv_heads,
                             int64_t num_blocks, int64_t block_size, int64_t head_dim,

@@ -422,6 +422,29 @@ static inline int64_t tile_tokens(int64_t G) {
     return t < 1 ? 1 : (t > 8 ? 8 : t);
 }
 
+/* Whether a call's tables describe sequences the kernels can run: each sequence's query tokens
+ * at a row >= 0 and no more than its length, and its blocks (as many as its length needs)
+ * within its row of the table and ids of the cache's blocks. The engine's plans always are; a
+ * call with others is refused before any item starts: the OpenMP loop would read outside the
+ * cache, and the pool's items skip what they cannot run (tile_is_sound), so its caller would
+ * wait for their commits forever. */
+static int tables_sound(const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                        const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
+                        int64_t num_blocks, int64_t block_size) {
+    if (num_seqs < 0 || block_size < 1 || bt_stride < 0) return 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t q = q_lens[i], n = seq_lens[i];
+        if (q_start[i] < 0 || q < 0 || n < q) return 0;
+        const int64_t nblk = (n + block_size - 1) / block_size;
+        if (nblk > bt_stride) return 0;
+        for (int64_t b = 0; b < nblk; b++) {
+            const int32_t id = block_table[i * bt_stride + b];
+            if (id < 0 || id >= num_blocks) return 0;
+        }
+    }
+    return 1;
+}
+
 /*
  * Causal attention for num_seqs sequences of a packed batch, over the paged cache.
  *
@@ -430,14 +453,18 @@ static inline int64_t tile_tokens(int64_t G) {
  * included); its blocks are block_table[i * bt_stride + 0 ..]. query/out: [T, H_q, D] with
  * element strides (token, head), D contiguous; H_q = H_kv * group. Rows of other sequences
  * are left alone. Work is split into (sequence, tile of query tokens, KV head) items, run in
- * parallel.
+ * parallel. 0 on success; -2, with nothing written, where the tables are not sound (see
+ * tables_sound).
  */
-void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
-                        int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
-                        const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
-                        const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
-                        float scale, int num_threads) {
+int ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, void *out,
+                       int64_t o_st, int64_t o_sh, const void *kv_cache, int64_t num_kv_heads,
+                       int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group,
+                       const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                       const int32_t *block_table, int64_t bt_stride, int64_t num_seqs,
+                       float scale, int num_threads) {
+    if (!tables_sound(q_start, q_lens, seq_lens, block_table, bt_stride, num_seqs, num_blocks,
+                      block_size))
+        return -2;
     const int64_t es = elem_size(dt);
     const int64_t D = head_dim, G = group, bs = block_size;
     const int64_t TQ = tile_tokens(G);
@@ -532,6 +559,7 @@ void ae_paged_attention(int dt, const void *query, int64_t q_st, int64_t q_sh, v
         free(scores);
     }
     free(first_tile);
+    return 0;
 }
 
 /* ---- The same items on linear.c's work pool (pool.c), for decode_layers.c's short steps ----
@@ -715,7 +743,8 @@ static void attention_pool_item(const void *ctx, int64_t it, const struct ae_com
  * numbers, claimed by whichever thread is running. The query rows (hq * D values each, row
  * stride q_st) and the sequences' lengths and blocks are copied into the pool's buffers first,
  * as a helper preempted inside an item may read on after the call returned; the cache stays
- * where it is (the model's). 0 on success, -1 when out of memory.
+ * where it is (the model's). 0 on success, -1 when out of memory, -2 where the tables are not
+ * sound (see tables_sound).
  */
 int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *out,
                             int64_t o_st, const void *kv_cache, int64_t num_kv_heads,
@@ -723,13 +752,14 @@ int ae_paged_attention_pool(const void *query, int64_t q_st, int64_t hq, void *o
                             const int64_t *q_start, const int32_t *q_lens,
                             const int32_t *seq_lens, const int32_t *block_table,
                             int64_t bt_stride, int64_t num_seqs, float scale, int num_threads) {
-    if (!ae_pool_acquire()) { /* another thread holds the pool: run on OpenMP */
-        ae_paged_attention(AE_BF16, query, q_st, head_dim, out, o_st, head_dim, kv_cache,
-                           num_kv_heads, num_blocks, block_size, head_dim, hq / num_kv_heads,
-                           q_start, q_lens, seq_lens, block_table, bt_stride, num_seqs, scale,
-                           num_threads);
-        return 0;
-    }
+    if (!tables_sound(q_start, q_lens, seq_lens, block_table, bt_stride, num_seqs, num_blocks,
+                      block_size))
+        return -2;
+    if (!ae_pool_acquire()) /* another thread holds the pool: run on OpenMP */
+        return ae_paged_attention(AE_BF16, query, q_st, head_dim, out, o_st, head_dim, kv_cache,
+                                  num_kv_heads, num_blocks, block_size, head_dim,
+                                  hq / num_kv_heads, q_start, q_lens, seq_lens, block_table,
+                                  bt_stride, num_seqs, scale, num_threads);
     int64_t T = 0;
     for (int64_t i = 0; i < num_seqs; i++)
         if (q_start[i] + q_lens[i] > T) T = q_start[i] + q_lens[i];

@@ -171,16 +171,15 @@ int ae_decode_layers_bf16(const int64_t *layers, int64_t num_layers, int64_t T, 
                   (const void *)p[AE_LAYER_Q_NORM], (const void *)p[AE_LAYER_K_NORM], head_eps,
                   qkv + q_w + kv_w, qkv_w, d, cache, num_blocks, block_size, slot_mapping,
                   small);
-        if (pooled) {
-            if (ae_paged_attention_pool(qkv, qkv_w, hq, attn, q_w, cache, hkv, num_blocks,
-                                        block_size, d, q_start, q_lens, seq_lens, block_table,
-                                        bt_stride, num_seqs, scale, threads))
-                return -1;
-        } else {
-            ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv, num_blocks,
-                               block_size, d, hq / hkv, q_start, q_lens, seq_lens, block_table,
-                               bt_stride, num_seqs, scale, threads);
-        }
+        const int attended =
+            pooled ? ae_paged_attention_pool(qkv, qkv_w, hq, attn, q_w, cache, hkv, num_blocks,
+                                             block_size, d, q_start, q_lens, seq_lens,
+                                             block_table, bt_stride, num_seqs, scale, threads)
+                   : ae_paged_attention(AE_BF16, qkv, qkv_w, d, attn, q_w, d, cache, hkv,
+                                        num_blocks, block_size, d, hq / hkv, q_start, q_lens,
+                                        seq_lens, block_table, bt_stride, num_seqs, scale,
+                                        threads);
+        if (attended) return attended; /* -1: out of memory; -2: unsound tables */
         struct weight wo = weight_at(p, AE_LAYER_O_W, AE_LAYER_O_B, AE_LAYER_O_KP);
         const void *post_norm = (const void *)p[AE_LAYER_POST_NORM];
         if (lora.segs) {

@@ -7,13 +7,20 @@ group sizes (including ones that are not powers of two), head sizes 16 to 128, b
 
 from __future__ import annotations
 
+import ctypes
+import re
+
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.kernels.cpu_native import load_native, unavailable_reason
-from asyncengine.kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu
+from asyncengine.kernels.paged_attention_cpu import (
+    CpuAttentionPlan,
+    paged_attention_cpu,
+    plan_paged_attention_cpu,
+)
 from asyncengine.kernels.reshape_and_cache_cpu import (
     read_cache_cpu,
     reshape_and_cache_cpu,
@@ -137,3 +144,56 @@ def test_a_decode_steps_plan_has_a_block_table_of_its_own_width(num_seqs: int) -
     assert plan.seq_lens.tolist() == seq_lens and plan.seq_lens.dtype == torch.int32
     assert plan.block_table.dtype == torch.int32 and plan.block_table.stride() == (nb, 1)
     assert torch.equal(plan.block_table, table[:, :nb].to(torch.int32))
+
+
+def _unsound(plan: CpuAttentionPlan, fault: str) -> str:
+    """Spoil one of a two-sequence decode plan's tables; the message the engine should give."""
+    if fault == "short row":  # the second sequence (40 tokens) needs 3 blocks of 16
+        plan.block_table = plan.block_table[:, :2].contiguous()
+        return "sequence 1 of 40 tokens needs 3 blocks of 16, its block table row has 2"
+    if fault == "block id":
+        plan.block_table[1, 2] = 1_000
+        return "sequence 1's block table holds block 1000; the cache has blocks 0 to"
+    plan.q_lens[0] = 30  # more query tokens than the sequence's 17
+    return "sequence 0 has 30 query tokens at row 0 of 17 in all"
+
+
+FAULTS = ["short row", "block id", "query tokens"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_unsound_tables_are_refused_with_a_message(fault: str) -> None:
+    """Tables the engine would never build (a row too short for its sequence, a block id
+    outside the cache, more query tokens than the sequence) are refused before any item runs:
+    the kernel would read outside the cache."""
+    b = make_paged_batch([1, 1], [17, 40], 4, 2, 64, 16, torch.bfloat16, seed=3)
+    plan = plan_paged_attention_cpu(b.query_start_loc, b.seq_lens, b.block_table, 16, b.query.dtype)
+    message = _unsound(plan, fault)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paged_attention_cpu(b.query, b.key, b.value, cpu_cache(b), plan, 0.125)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_pool_entry_refuses_unsound_tables_instead_of_waiting(fault: str) -> None:
+    """decode_layers.c's attention on the work pool: its items skip what they cannot run, so
+    unsound tables once left the call waiting forever for their commits. Now -2 at once."""
+    lib = load_native()
+    assert lib is not None
+    pool = ctypes.CDLL(str(lib.path)).ae_paged_attention_pool
+    pool.restype = ctypes.c_int
+    b = make_paged_batch([1, 1], [17, 40], 4, 2, 64, 16, torch.bfloat16, seed=3)
+    plan = plan_paged_attention_cpu(b.query_start_loc, b.seq_lens, b.block_table, 16, b.query.dtype)
+    _unsound(plan, fault)
+    cache = cpu_cache(b)
+    query = b.query.reshape(b.query.shape[0], -1).contiguous()
+    out = torch.zeros_like(query)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    status = pool(
+        ptr(query.data_ptr()), i64(query.stride(0)), i64(4), ptr(out.data_ptr()),
+        i64(out.stride(0)), ptr(cache.data_ptr()), i64(2), i64(cache.shape[2]), i64(16), i64(64),
+        ptr(plan.q_start.data_ptr()), ptr(plan.q_lens.data_ptr()), ptr(plan.seq_lens.data_ptr()),
+        ptr(plan.block_table.data_ptr()), i64(plan.block_table.stride(0)),
+        i64(plan.q_start.numel()), ctypes.c_float(0.125), ctypes.c_int(2),
+    )  # fmt: skip
+    assert status == -2
+    assert not out.any()  # nothing written
