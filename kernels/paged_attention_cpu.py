@@ -86,7 +86,7 @@ def plan_paged_attention_cpu(
 
 def unsound_tables_message(plan: CpuAttentionPlan, num_blocks: int, block_size: int) -> str:
     """Why the kernel refused a plan's tables (its tables_sound): the first sequence at fault."""
-    width = plan.block_table.shape[1] if plan.block_table.dim() == 2 else 0
+    width = plan.block_table.shape[1]
     for i, (start, q_len, seq_len) in enumerate(
         zip(plan.q_start.tolist(), plan.q_lens.tolist(), plan.seq_lens.tolist(), strict=True)
     ):

@@ -192,6 +192,20 @@ static void unpack_group_r8(const uint8_t *restrict w, int64_t g, int64_t nsb, i
     }
 }
 
+/* Rows u + r * ld (r < 8) get 4 steps' values each, in step order, from `steps` (4 x 64
+ * bytes, 64-bit lane r of a step being row r's 8 values of it: the 8-row layouts' lanes). */
+static ALWAYS_INLINE void copy_lanes(const uint8_t *steps, uint8_t *restrict u, int64_t ld) {
+    for (int r = 0; r < 8; r++)
+        for (int t = 0; t < 4; t++) memcpy(u + r * ld + 8 * t, steps + 64 * t + 8 * r, 8);
+}
+
+/* copy_lanes of 4 steps held in registers */
+static ALWAYS_INLINE void store_lanes(const __m512i v[4], uint8_t *restrict u, int64_t ld) {
+    uint8_t steps[4][64] __attribute__((aligned(64)));
+    for (int t = 0; t < 4; t++) _mm512_store_si512(steps[t], v[t]);
+    copy_lanes(steps[0], u, ld);
+}
+
 /* Rows 8g..8g+7 of Q8_0_R8 weights w (nb blocks a row), their blocks b0 .. b0 + n - 1, as
  * unpack_row_0 unpacks 8 Q8_0 rows: 64-bit lane r of chunk s is row r's u of values 8s..8s+7
  * (q + 128 already, quant_r8.c). */
@@ -200,22 +214,10 @@ static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, 
                               int col) {
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *blk = w + (g * nb + b0 + i) * Q8R8_BYTES;
-        for (int s = 0; s < 4; s++)
-            for (int r = 0; r < 8; r++)
-                memcpy(u + r * ld + i * 32 + 8 * s, blk + 16 + 64 * s + 8 * r, 8);
+        copy_lanes(blk + 16, u + i * 32, ld);
         const __m128i d = _mm_loadu_si128((const __m128i *)blk);
         _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
     }
-}
-
-/* The 8 rows' values of `steps` steps (8 values each) held in v[0 .. steps - 1], 64-bit lane r
- * of each being row r's values of its step, to rows u + r * ld (the steps' values in order). */
-static ALWAYS_INLINE void store_lanes(const __m512i *v, int steps, uint8_t *restrict u,
-                                      int64_t ld) {
-    uint64_t lanes[8][8] __attribute__((aligned(64))); /* [step][row] */
-    for (int t = 0; t < steps; t++) _mm512_store_si512(lanes[t], v[t]);
-    for (int r = 0; r < 8; r++)
-        for (int t = 0; t < steps; t++) memcpy(u + r * ld + 8 * t, &lanes[t][r], 8);
 }
 
 /* Rows 8g..8g+7 of Q5_0_R8 (hb 1) or Q4_0_R8 (hb 0) weights w, their blocks b0 .. b0 + n - 1,
@@ -241,7 +243,7 @@ static void unpack_group_q50r8(const uint8_t *restrict w, int64_t g, int64_t nb,
                 memcpy(&bits, blk + 144 + 8 * s, 8);
                 v[s] = _mm512_or_si512(v[s], _mm512_maskz_mov_epi8((__mmask64)bits, b4));
             }
-        store_lanes(v, 4, u + i * 32, ld);
+        store_lanes(v, u + i * 32, ld);
         const __m128i d = _mm_loadu_si128((const __m128i *)blk);
         _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
     }
@@ -272,7 +274,7 @@ static void unpack_group_q6kr8(const uint8_t *restrict w, int64_t g, int64_t nsb
                 _mm512_or_si512(_mm512_and_si512(L1, m4), h2),
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), m4), h3),
             };
-            store_lanes(v, 4, u + i * 256 + 32 * p, ld);
+            store_lanes(v, u + i * 256 + 32 * p, ld);
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int t = 0; t < 16; t++) { /* scale t of the 8 rows: 8 bytes at 16 + 8t */
