@@ -25,7 +25,9 @@
  *
  * Work: panels of 32 weight rows split between OpenMP threads. A thread unpacks its panel's
  * rows into bytes (plain loops GCC vectorizes), transposes them 16 rows by 4 values at a time
- * into the panel (32 x K bytes, in L2), then runs every 4 rows of x over it.
+ * into the panel (32 x K bytes, in L2), then runs every 4 rows of x over it. The 8-row
+ * layouts (quant_r8.c) go into the panel without the row-major bytes: two groups' steps
+ * make its groups in one permute each (r8_pair).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -62,11 +64,11 @@ struct fmt_info {
 static const struct fmt_info FMT[AE_QUANT_FORMATS] = {
     {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
     {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
-    {256, 144, 32, 0, 1}, /* Q4_K_R8: read 8 rows at a time (unpack_group_r8) */
-    {32, 34, 32, 128, 0}, /* Q8_0_R8: the same (unpack_group_q8r8) */
-    {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same (unpack_group_q50r8) */
+    {256, 144, 32, 0, 1}, /* Q4_K_R8: read 16 rows at a time (r8_pair, r8_scales) */
+    {32, 34, 32, 128, 0}, /* Q8_0_R8: the same */
+    {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same */
     {32, 18, 32, 8, 0},
-    {256, 210, 16, 32, 0}, /* Q6_K_R8: the same (unpack_group_q6kr8) */
+    {256, 210, 16, 32, 0}, /* Q6_K_R8: the same */
 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -154,135 +156,204 @@ UNPACK_ROW_FN(5)
 UNPACK_ROW_FN(6)
 UNPACK_ROW_FN(7)
 
-/* Rows 8g..8g+7 of Q4_K_R8 weights w (nsb super-blocks a row), their super-blocks b0 .. b0 +
- * nb - 1, as unpack_row_5 unpacks 8 Q4_K rows: values into u (row stride ld), d_s and m_s
- * into columns col..col+7 of sc and mn. A chunk's low nibbles hold in 64-bit lane r row r's
- * 8 values of its first step, the high nibbles those of the second (quant_r8.c). */
-static void unpack_group_r8(const uint8_t *restrict w, int64_t g, int64_t nsb, int64_t b0,
-                            int64_t nb, uint8_t *restrict u, int64_t ld, float *restrict sc,
-                            float *restrict mn, int col) {
+/* The 8-row layouts (quant_r8.c) hold a group of 8 weight rows' values in steps of 64 bytes,
+ * 64-bit lane r of a step being row r's 8 consecutive values. r8_steps gives the 4 steps of
+ * group g's 32-value unit `unit` (counted from the row's start) as u, the values the row
+ * unpackers give (q + o): Q8_0_R8 stores them so; Q4_0_R8 and Q5_0_R8 hold steps 2c and
+ * 2c + 1 in chunk c's low and high nibbles, Q5_0's fifth bits as a 64-bit mask per step
+ * (bit p for byte p); Q4_K_R8's chunk c holds values 16c .. 16c + 15 of a super-block the
+ * same way; Q6_K_R8's part p holds steps 4p .. 4p + 3, their low 4 bits in its two low
+ * chunks (the even step in the low nibbles), their high 2 bits at bits 2 (t % 4) of its high
+ * chunk (kquant_blocks.h). nb: the group's blocks (super-blocks) per row. */
+static ALWAYS_INLINE void r8_steps(const int fmt, const uint8_t *restrict w, int64_t g, int64_t nb,
+                                   int64_t unit, __m512i v[4]) {
     const __m512i m4 = _mm512_set1_epi8(15);
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *blk = w + (g * nsb + b0 + i) * Q4K_R8_BYTES;
-        for (int c = 0; c < 16; c++) {
-            const __m512i P = _mm512_loadu_si512(blk + 128 + 64 * c);
-            const __m512i lo = _mm512_and_si512(P, m4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
-            /* 128-bit lane k: rows 2k (unpacklo) and 2k + 1 (unpackhi), 16 values each */
-            uint8_t rows[2][64] __attribute__((aligned(64)));
-            _mm512_store_si512(rows[0], _mm512_unpacklo_epi64(lo, hi));
-            _mm512_store_si512(rows[1], _mm512_unpackhi_epi64(lo, hi));
-            for (int r = 0; r < 8; r++)
-                memcpy(u + r * ld + i * 256 + 16 * c, rows[r % 2] + 16 * (r / 2), 16);
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        uint8_t s[8], m[8];
-        /* the 8 rows' 6-bit scales and mins (few beside the values) */
-        for (int j = 0; j < 8; j++) {
-            for (int r = 0; r < 8; r++) q4k_r8_scale_min(blk, 8 * j + r, &s[r], &m[r]);
-            const __m256 sv =
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
-            const __m256 mv =
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
-            _mm256_storeu_ps(sc + (i * 8 + j) * PANEL + col, _mm256_mul_ps(d, sv));
-            _mm256_storeu_ps(mn + (i * 8 + j) * PANEL + col,
-                             _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mv)));
-        }
+    switch (fmt) {
+    case AE_QUANT_Q8_0_R8: {
+        const uint8_t *blk = w + (g * nb + unit) * Q8R8_BYTES + 16;
+        for (int t = 0; t < 4; t++) v[t] = _mm512_loadu_si512(blk + 64 * t);
+        break;
     }
-}
-
-/* Rows u + r * ld (r < 8) get 4 steps' values each, in step order, from `steps` (4 x 64
- * bytes, 64-bit lane r of a step being row r's 8 values of it: the 8-row layouts' lanes). */
-static ALWAYS_INLINE void copy_lanes(const uint8_t *steps, uint8_t *restrict u, int64_t ld) {
-    for (int r = 0; r < 8; r++)
-        for (int t = 0; t < 4; t++) memcpy(u + r * ld + 8 * t, steps + 64 * t + 8 * r, 8);
-}
-
-/* copy_lanes of 4 steps held in registers */
-static ALWAYS_INLINE void store_lanes(const __m512i v[4], uint8_t *restrict u, int64_t ld) {
-    uint8_t steps[4][64] __attribute__((aligned(64)));
-    for (int t = 0; t < 4; t++) _mm512_store_si512(steps[t], v[t]);
-    copy_lanes(steps[0], u, ld);
-}
-
-/* Rows 8g..8g+7 of Q8_0_R8 weights w (nb blocks a row), their blocks b0 .. b0 + n - 1, as
- * unpack_row_0 unpacks 8 Q8_0 rows: 64-bit lane r of chunk s is row r's u of values 8s..8s+7
- * (q + 128 already, quant_r8.c). */
-static void unpack_group_q8r8(const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
-                              int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
-                              int col) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *blk = w + (g * nb + b0 + i) * Q8R8_BYTES;
-        copy_lanes(blk + 16, u + i * 32, ld);
-        const __m128i d = _mm_loadu_si128((const __m128i *)blk);
-        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
-    }
-}
-
-/* Rows 8g..8g+7 of Q5_0_R8 (hb 1) or Q4_0_R8 (hb 0) weights w, their blocks b0 .. b0 + n - 1,
- * as unpack_row_3 / unpack_row_1 unpack 8 rows: u = q + 16 (q + 8), the blocks' d. Chunk c
- * holds steps 2c (low nibbles) and 2c + 1 (high), each in Q8_0_R8's lanes; step s's fifth
- * bits are the 64-bit mask at 144 + 8s, bit p for byte p of its step. */
-static void unpack_group_q50r8(const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
-                               int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
-                               int col, int hb) {
-    const int64_t gb = hb ? Q50R8_BYTES : Q40R8_BYTES;
-    const __m512i m4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *blk = w + (g * nb + b0 + i) * gb;
-        __m512i v[4];
+    case AE_QUANT_Q5_0_R8:
+    case AE_QUANT_Q4_0_R8: {
+        const int hb = fmt == AE_QUANT_Q5_0_R8;
+        const uint8_t *blk = w + (g * nb + unit) * (hb ? Q50R8_BYTES : Q40R8_BYTES);
         for (int c = 0; c < 2; c++) {
             const __m512i P = _mm512_loadu_si512(blk + 16 + 64 * c);
             v[2 * c] = _mm512_and_si512(P, m4);
             v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
         }
-        if (hb)
+        if (hb) {
+            const __m512i b4 = _mm512_set1_epi8(16);
             for (int s = 0; s < 4; s++) {
                 uint64_t bits;
                 memcpy(&bits, blk + 144 + 8 * s, 8);
                 v[s] = _mm512_or_si512(v[s], _mm512_maskz_mov_epi8((__mmask64)bits, b4));
             }
-        store_lanes(v, u + i * 32, ld);
-        const __m128i d = _mm_loadu_si128((const __m128i *)blk);
-        _mm256_storeu_ps(sc + i * PANEL + col, _mm256_cvtph_ps(d));
+        }
+        break;
+    }
+    case AE_QUANT_Q4_K_R8: {
+        const uint8_t *blk = w + (g * nb + unit / 8) * Q4K_R8_BYTES + 128 + 128 * (unit % 8);
+        for (int c = 0; c < 2; c++) {
+            const __m512i P = _mm512_loadu_si512(blk + 64 * c);
+            v[2 * c] = _mm512_and_si512(P, m4);
+            v[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(P, 4), m4);
+        }
+        break;
+    }
+    default: { /* Q6_K_R8 */
+        const uint8_t *blk = w + (g * nb + unit / 8) * Q6KR8_BYTES;
+        const int p = (int)(unit % 8);
+        const __m512i m3 = _mm512_set1_epi8(3 << 4);
+        const __m512i L0 = _mm512_loadu_si512(blk + q6kr8_low(2 * p));
+        const __m512i L1 = _mm512_loadu_si512(blk + q6kr8_low(2 * p + 1));
+        const __m512i H = _mm512_loadu_si512(blk + q6kr8_high(p));
+        /* the high bits of step 4p + k, moved to bits 4-5 */
+        v[0] = _mm512_or_si512(_mm512_and_si512(L0, m4),
+                               _mm512_and_si512(_mm512_slli_epi16(H, 4), m3));
+        v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), m4),
+                               _mm512_and_si512(_mm512_slli_epi16(H, 2), m3));
+        v[2] = _mm512_or_si512(_mm512_and_si512(L1, m4), _mm512_and_si512(H, m3));
+        v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), m4),
+                               _mm512_and_si512(_mm512_srli_epi16(H, 2), m3));
+        break;
+    }
     }
 }
 
-/* Rows 8g..8g+7 of Q6_K_R8 weights w (nsb super-blocks a row), their super-blocks b0 ..
- * b0 + n - 1, as unpack_row_7 unpacks 8 Q6_K rows: u = q + 32, d times each 16 values' scale.
- * Part p holds steps 4p .. 4p + 3: their low 4 bits in its two low chunks (low nibbles the
- * even step), their high 2 bits at bits 2 (t % 4) of its high chunk (kquant_blocks.h). */
-static void unpack_group_q6kr8(const uint8_t *restrict w, int64_t g, int64_t nsb, int64_t b0,
-                               int64_t n, uint8_t *restrict u, int64_t ld, float *restrict sc,
-                               int col) {
-    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3 << 4);
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *blk = w + (g * nsb + b0 + i) * Q6KR8_BYTES;
-        for (int p = 0; p < 8; p++) {
-            const __m512i L0 = _mm512_loadu_si512(blk + q6kr8_low(2 * p));
-            const __m512i L1 = _mm512_loadu_si512(blk + q6kr8_low(2 * p + 1));
-            const __m512i H = _mm512_loadu_si512(blk + q6kr8_high(p));
-            /* the high bits of step 4p + k, moved to bits 4-5 */
-            const __m512i h0 = _mm512_and_si512(_mm512_slli_epi16(H, 4), m3);
-            const __m512i h1 = _mm512_and_si512(_mm512_slli_epi16(H, 2), m3);
-            const __m512i h2 = _mm512_and_si512(H, m3);
-            const __m512i h3 = _mm512_and_si512(_mm512_srli_epi16(H, 2), m3);
-            const __m512i v[4] = {
-                _mm512_or_si512(_mm512_and_si512(L0, m4), h0),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L0, 4), m4), h1),
-                _mm512_or_si512(_mm512_and_si512(L1, m4), h2),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L1, 4), m4), h3),
-            };
-            store_lanes(v, u + i * 256 + 32 * p, ld);
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        for (int t = 0; t < 16; t++) { /* scale t of the 8 rows: 8 bytes at 16 + 8t */
-            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * t));
-            const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
-            _mm256_storeu_ps(sc + (i * 16 + t) * PANEL + col, _mm256_mul_ps(d, sv));
+/* Units u0 .. u0 + units - 1 of groups ga and gb (-1: none, zero values) straight into 16
+ * rows of the panel, ga's as its rows 0-7 and gb's as 8-15 (dst: the panel's first group
+ * plus 64 for its second 16 rows). A step's dwords 2r and 2r + 1 are row r's values 0-3 and
+ * 4-7 of it, so one vpermt2d of the two groups' steps is a panel group: no row-major copy,
+ * no transpose (unpack_row's and transpose_16's way took 3-4x the products' time at 16 rows
+ * of x). */
+static ALWAYS_INLINE void r8_pair(const int fmt, const uint8_t *restrict w, int64_t ga,
+                                  int64_t gb, int64_t nb, int64_t u0, int64_t units,
+                                  uint8_t *restrict dst) {
+    const __m512i even =
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t i = 0; i < units; i++) {
+        __m512i a[4], b[4];
+        if (ga >= 0) r8_steps(fmt, w, ga, nb, u0 + i, a);
+        else a[0] = a[1] = a[2] = a[3] = _mm512_setzero_si512();
+        if (gb >= 0) r8_steps(fmt, w, gb, nb, u0 + i, b);
+        else b[0] = b[1] = b[2] = b[3] = _mm512_setzero_si512();
+        uint8_t *d = dst + i * 8 * GROUP;
+        for (int t = 0; t < 4; t++) {
+            _mm512_store_si512((__m512i *)(d + 2 * t * GROUP),
+                               _mm512_permutex2var_epi32(a[t], even, b[t]));
+            _mm512_store_si512((__m512i *)(d + (2 * t + 1) * GROUP),
+                               _mm512_permutex2var_epi32(a[t], odd, b[t]));
         }
     }
+}
+
+/* One function per 8-row format, so that r8_steps is compiled for it inside the loop. */
+#define R8_PAIR_FN(name, f)                                                                  \
+    static void r8_pair_##name(const uint8_t *w, int64_t ga, int64_t gb, int64_t nb,          \
+                               int64_t u0, int64_t units, uint8_t *dst) {                     \
+        r8_pair(f, w, ga, gb, nb, u0, units, dst);                                            \
+    }
+R8_PAIR_FN(q4k, AE_QUANT_Q4_K_R8)
+R8_PAIR_FN(q80, AE_QUANT_Q8_0_R8)
+R8_PAIR_FN(q50, AE_QUANT_Q5_0_R8)
+R8_PAIR_FN(q40, AE_QUANT_Q4_0_R8)
+R8_PAIR_FN(q6k, AE_QUANT_Q6_K_R8)
+
+static void r8_pair_any(int fmt, const uint8_t *w, int64_t ga, int64_t gb, int64_t nb,
+                        int64_t u0, int64_t units, uint8_t *dst) {
+    switch (fmt) {
+    case AE_QUANT_Q4_K_R8: r8_pair_q4k(w, ga, gb, nb, u0, units, dst); break;
+    case AE_QUANT_Q8_0_R8: r8_pair_q80(w, ga, gb, nb, u0, units, dst); break;
+    case AE_QUANT_Q5_0_R8: r8_pair_q50(w, ga, gb, nb, u0, units, dst); break;
+    case AE_QUANT_Q4_0_R8: r8_pair_q40(w, ga, gb, nb, u0, units, dst); break;
+    default: r8_pair_q6k(w, ga, gb, nb, u0, units, dst); break;
+    }
+}
+
+/* Group g's d_s (and m_s) of its blocks (super-blocks) b0 .. b0 + n - 1 into columns col ..
+ * col + 7 of sc and mn, as unpack_row gives them for 8 rows of the file's format. */
+static void r8_scales(int fmt, const uint8_t *restrict w, int64_t g, int64_t nb, int64_t b0,
+                      int64_t n, float *restrict sc, float *restrict mn, int col) {
+    for (int64_t i = 0; i < n; i++) {
+        switch (fmt) {
+        case AE_QUANT_Q4_K_R8: {
+            const uint8_t *blk = w + (g * nb + b0 + i) * Q4K_R8_BYTES;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            /* q4k_r8_scale_min for all 64 (sub-block j, row r) at once, e = 8j + r: the
+             * scale a & 63 of byte 32 + e, the min (a >> 6) << 4 | the nibble of byte
+             * 96 + e % 32 (the low nibbles for e < 32) */
+            const __m512i A = _mm512_loadu_si512(blk + 32);
+            const __m256i nb32 = _mm256_loadu_si256((const __m256i *)(blk + 96));
+            const __m256i n4 = _mm256_set1_epi8(15);
+            const __m512i lo_m = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(nb32, n4)),
+                _mm256_and_si256(_mm256_srli_epi16(nb32, 4), n4), 1);
+            uint8_t s[64], m[64];
+            _mm512_storeu_si512(s, _mm512_and_si512(A, _mm512_set1_epi8(63)));
+            _mm512_storeu_si512(
+                m, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 2), _mm512_set1_epi8(0x30)),
+                                   lo_m));
+            for (int j = 0; j < 8; j++) { /* the 8 rows' scale and min of sub-block j */
+                const __m256 sv = _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + 8 * j))));
+                const __m256 mv = _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 8 * j))));
+                _mm256_storeu_ps(sc + (i * 8 + j) * PANEL + col, _mm256_mul_ps(d, sv));
+                _mm256_storeu_ps(mn + (i * 8 + j) * PANEL + col,
+                                 _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mv)));
+            }
+            break;
+        }
+        case AE_QUANT_Q6_K_R8: {
+            const uint8_t *blk = w + (g * nb + b0 + i) * Q6KR8_BYTES;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            for (int t = 0; t < 16; t++) { /* scale t of the 8 rows: 8 bytes at 16 + 8t */
+                const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * t));
+                const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
+                _mm256_storeu_ps(sc + (i * 16 + t) * PANEL + col, _mm256_mul_ps(d, sv));
+            }
+            break;
+        }
+        default: { /* Q8_0_R8, Q5_0_R8, Q4_0_R8: the 8 rows' d first */
+            const int64_t gbytes = fmt == AE_QUANT_Q8_0_R8   ? Q8R8_BYTES
+                                   : fmt == AE_QUANT_Q5_0_R8 ? Q50R8_BYTES
+                                                             : Q40R8_BYTES;
+            const uint8_t *blk = w + (g * nb + b0 + i) * gbytes;
+            _mm256_storeu_ps(sc + i * PANEL + col,
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+            break;
+        }
+        }
+    }
+}
+
+/* The weights of the chunk after panel p's chunk at k0, for the tiles to prefetch into L2
+ * while they run over this one (the chunk's unpacking waited on memory otherwise, about a
+ * third of the time at 9-16 rows of x): lines [from, to) of it, line i being line i % per of
+ * run i / per. A run is a weight row's blocks in the chunk, or a group's (8-row layouts). */
+struct pf {
+    const uint8_t *base[PANEL];
+    int64_t per, from, to;
+};
+
+static void next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t nb, int64_t p, int64_t k0,
+                       int64_t K, struct pf *pf) {
+    const struct fmt_info fi = FMT[fmt];
+    const int rows = fmt >= AE_QUANT_Q4_K_R8 ? 8 : 1; /* rows per run */
+    const int64_t run_bytes = (int64_t)fi.bytes * rows;
+    if (k0 + KC < K) k0 += KC;
+    else p++, k0 = 0;
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    int runs = 0;
+    for (int64_t r = p * PANEL / rows; r < (p + 1) * PANEL / rows && r < N / rows; r++)
+        pf->base[runs++] = w + (r * nb + k0 / fi.values) * run_bytes;
+    pf->per = kc / fi.values * run_bytes / 64;
+    pf->from = 0;
+    pf->to = runs * pf->per;
 }
 
 static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
@@ -335,7 +406,8 @@ struct rows {
 static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, const int KQ,
                                const uint8_t *restrict panel, const float *restrict sc,
                                const float *restrict mn, const struct rows *x, int64_t m,
-                               int64_t k0, int64_t kc, int first, float *restrict res) {
+                               int64_t k0, int64_t kc, int first, float *restrict res,
+                               const struct pf *pf) {
     const int64_t K = x->K, S = x->S, nb = K / 32, s0 = k0 / SB;
     const int per_da = KQ ? 256 / SB : 1; /* sub-blocks under one activation scale */
     const int8_t *qa = x->qa + m * K + k0;
@@ -346,7 +418,13 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, con
         acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(res + r * PANEL);
         acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(res + r * PANEL + 16);
     }
+    const int64_t steps = kc / SB / per_da;
+    const int64_t pf_step = pf ? (pf->to - pf->from + steps - 1) / steps : 0;
+    int64_t line = pf ? pf->from : 0;
     for (int64_t sd = 0; sd < kc / SB; sd += per_da) {
+        for (int64_t j = 0; j < pf_step && line < pf->to; j++, line++)
+            _mm_prefetch((const char *)pf->base[line / pf->per] + 64 * (line % pf->per),
+                         _MM_HINT_T1);
         __m512 part[TILE_R][2]; /* KQ: the super-block's sum of d_s * the integer sums */
         for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
         for (int64_t s = sd; s < sd + per_da; s++) {
@@ -407,8 +485,8 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, con
 #define TILE_FN(R, SB, MIN, KQ)                                                             \
     static __attribute__((noinline)) void tile_##R##_##SB##_##MIN##_##KQ(                   \
         const uint8_t *p, const float *sc, const float *mn, const struct rows *x, int64_t m, \
-        int64_t k0, int64_t kc, int first, float *res) {                                    \
-        tile(R, SB, MIN, KQ, p, sc, mn, x, m, k0, kc, first, res);                          \
+        int64_t k0, int64_t kc, int first, float *res, const struct pf *pf) {               \
+        tile(R, SB, MIN, KQ, p, sc, mn, x, m, k0, kc, first, res, pf);                      \
     }
 #define TILE_FNS(SB, MIN, KQ) TILE_FN(1, SB, MIN, KQ) TILE_FN(2, SB, MIN, KQ) \
     TILE_FN(3, SB, MIN, KQ) TILE_FN(4, SB, MIN, KQ)
@@ -418,7 +496,7 @@ TILE_FNS(32, 1, 1)
 TILE_FNS(16, 0, 1)
 
 typedef void (*tile_fn)(const uint8_t *, const float *, const float *, const struct rows *,
-                        int64_t, int64_t, int64_t, int, float *);
+                        int64_t, int64_t, int64_t, int, float *, const struct pf *);
 static tile_fn tile_for(int R, int SB, int has_min, int kq) {
     static const tile_fn fns[4][4] = {
         {tile_1_32_0_0, tile_2_32_0_0, tile_3_32_0_0, tile_4_32_0_0},
@@ -461,6 +539,9 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
         }
     }
     const struct rows xr = {qa, da, init, fi.has_min ? fa : NULL, K, S};
+    /* Prefetching pays where the chunk's memory is a large share of its time; past 128 rows
+     * of x (their chunk, 128 KB, read from L2 by every tile) it measured level to 4% slower. */
+    const int pf_on = M <= 128;
     const int64_t panels = (N + PANEL - 1) / PANEL, kc_max = K < KC ? K : KC;
     const int64_t m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
     int failed = 0;
@@ -486,37 +567,54 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
             const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
-                for (int c = 0; c < PANEL; c++) {
-                    if (c < cols && r8) { /* a group of 8 rows */
-                        if (c % 8 == 0 && fmt == AE_QUANT_Q4_K_R8)
-                            unpack_group_r8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256, u + c * kc,
-                                            kc, sc, mn, c);
-                        else if (c % 8 == 0 && fmt == AE_QUANT_Q8_0_R8)
-                            unpack_group_q8r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32, u + c * kc,
-                                              kc, sc, c);
-                        else if (c % 8 == 0 && fmt == AE_QUANT_Q6_K_R8)
-                            unpack_group_q6kr8(w, (n0 + c) / 8, nb, k0 / 256, kc / 256,
-                                               u + c * kc, kc, sc, c);
-                        else if (c % 8 == 0)
-                            unpack_group_q50r8(w, (n0 + c) / 8, nb, k0 / 32, kc / 32,
-                                               u + c * kc, kc, sc, c,
-                                               fmt == AE_QUANT_Q5_0_R8);
-                    } else if (c < cols) {
-                        const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
-                        unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,
-                                   u + c * kc, sc, mn, c);
-                    } else { /* past N: zero weights, zero scales */
-                        memset(u + c * kc, 0, (size_t)kc);
-                        for (int64_t t = 0; t < subs; t++) sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
+                if (r8) { /* 16 rows (two groups of 8) at a time, straight into the panel */
+                    for (int half = 0; half < 2; half++) {
+                        int64_t gr[2];
+                        for (int e = 0; e < 2; e++) {
+                            const int c = 16 * half + 8 * e;
+                            gr[e] = c < cols ? (n0 + c) / 8 : -1;
+                            if (c < cols) {
+                                r8_scales(fmt, w, gr[e], nb, k0 / fi.values, kc / fi.values, sc,
+                                          mn, c);
+                                continue;
+                            }
+                            for (int64_t t = 0; t < subs; t++) /* past N: zero scales */
+                                for (int j = 0; j < 8; j++)
+                                    sc[t * PANEL + c + j] = mn[t * PANEL + c + j] = 0;
+                        }
+                        r8_pair_any(fmt, w, gr[0], gr[1], nb, k0 / 32, kc / 32,
+                                    panel + 64 * half);
                     }
+                } else {
+                    for (int c = 0; c < PANEL; c++) {
+                        if (c < cols) {
+                            const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
+                            unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,
+                                       u + c * kc, sc, mn, c);
+                        } else { /* past N: zero weights, zero scales */
+                            memset(u + c * kc, 0, (size_t)kc);
+                            for (int64_t t = 0; t < subs; t++)
+                                sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
+                        }
+                    }
+                    for (int half = 0; half < 2; half++)
+                        for (int64_t k = 0; k < kc; k += 16)
+                            transpose_16(u + half * 16 * kc + k, kc,
+                                         panel + k / 4 * GROUP + 64 * half);
                 }
-                for (int half = 0; half < 2; half++)
-                    for (int64_t k = 0; k < kc; k += 16)
-                        transpose_16(u + half * 16 * kc + k, kc, panel + k / 4 * GROUP + 64 * half);
+                struct pf pf;
+                const int prefetch = pf_on && (k0 + KC < K || p + 1 < panels);
+                if (prefetch) next_chunk(fmt, w, N, nb, p, k0, K, &pf);
+                const int64_t tiles = (M + TILE_R - 1) / TILE_R, lines = prefetch ? pf.to : 0;
                 for (int64_t m = 0; m < M; m += TILE_R) {
                     const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
+                    if (prefetch) { /* each tile its share of the next chunk's lines */
+                        pf.from = lines * (m / TILE_R) / tiles;
+                        pf.to = lines * (m / TILE_R + 1) / tiles;
+                    }
                     tile_for(R, fi.sub, fi.has_min, fi.values == 256)(
-                        panel, sc, mn, &xr, m, k0, kc, k0 == 0, res + m * PANEL);
+                        panel, sc, mn, &xr, m, k0, kc, k0 == 0, res + m * PANEL,
+                        prefetch ? &pf : NULL);
                 }
             }
             ae_store_rows(res, PANEL, M, cols, bias, bias_row, dt, out, o_st, n0);
