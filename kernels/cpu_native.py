@@ -213,7 +213,7 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _i64,
         _ptr, _ptr, _i64, _int,
     )),
-    "ae_quant_gemm_min_rows": (_int, ()),
+    "ae_quant_gemm_min_rows": (_int, (_int,)),  # format code
     # interleaved format code, src, dst, N, K, threads
     "ae_repack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
     "ae_unpack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
@@ -266,7 +266,7 @@ class NativeKernels:
     # quant_gemm.c's many-row product (tests call it directly), and from how many rows
     # linear_quant takes it on the VNNI path (0: never)
     quant_gemm: Callable[..., int]
-    quant_gemm_min_rows: Callable[[], int]
+    quant_gemm_min_rows: Callable[[int], int]
     dequantize_quant: Callable[..., int]
     # Q4_K / Q8_0 / Q5_0 / Q4_0 rows to their 8-row interleaved format (csrc/quant_r8.c) and
     # back, the interleaved format's code first

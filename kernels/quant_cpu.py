@@ -213,10 +213,10 @@ def current_path() -> str:
     return PATHS[_kernels().quant_set_path(-2)]
 
 
-def gemm_min_rows() -> int:
-    """From how many rows `linear_quant_cpu` runs on the panel GEMM (`csrc/quant_gemm.c`:
-    the AVX512-VNNI path only); 0 where it never does."""
-    return int(_kernels().quant_gemm_min_rows())
+def gemm_min_rows(qtype: str) -> int:
+    """From how many rows `linear_quant_cpu` runs a product over `qtype` weights on the panel
+    GEMM (`csrc/quant_gemm.c`: the AVX512-VNNI path only); 0 where it never does."""
+    return int(_kernels().quant_gemm_min_rows(quant_format(qtype).code))
 
 
 def _set_path(lib: NativeKernels, name: str | None) -> str:
@@ -258,7 +258,7 @@ def linear_quant_cpu(
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`x @ W^T + bias` by the native kernels (see the module docstring): one row runs as a
     matrix-vector product on the work pool, more rows as tiles that load each weight block
-    once for several rows, and from `gemm_min_rows()` rows (AVX512-VNNI) as a GEMM over
+    once for several rows, and from `gemm_min_rows(qtype)` rows (AVX512-VNNI) as a GEMM over
     panels of the weight unpacked to bytes."""
     lib = _kernels()
     missing = f"this build's native kernels do not run {qtype} (see native_formats())"
@@ -274,7 +274,7 @@ def quant_gemm_cpu(
     bias: torch.Tensor | None = None,  # [N], x's dtype
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`linear_quant_cpu`'s product on the panel GEMM (`csrc/quant_gemm.c`) whatever the rows
-    (linear_quant_cpu takes it from `gemm_min_rows()` rows): for tests and benchmarks. Raises
+    (linear_quant_cpu takes it from `gemm_min_rows(qtype)` rows): for tests and benchmarks. Raises
     ValueError where this build or path has no panel GEMM (AVX512-VNNI)."""
     lib = _kernels()
     missing = "this build of the native kernels has no panel GEMM (AVX512-VNNI)"

@@ -53,7 +53,11 @@ class QuantLinear(nn.Module):
         if not self.native:
             return linear_quant_torch(x, self.qweight, self.qtype, self.bias)
         rows = x.numel() // self.in_features
-        if self.dequant and rows >= self.dequant_min_rows and not 0 < gemm_min_rows() <= rows:
+        if (
+            self.dequant
+            and rows >= self.dequant_min_rows
+            and not 0 < gemm_min_rows(self.qtype) <= rows
+        ):
             # Many rows: the weight dequantized into a scratch buffer, then the float GEMM.
             return self._dequantized_product(x)
         return linear_quant_cpu(x, self.qweight, self.qtype, self.bias)
@@ -92,7 +96,7 @@ class QuantLinear(nn.Module):
 # measured on AVX512-VNNI Zen 4 before the panel GEMM (one thread, SmolLM2's and
 # Llama-3.2-1B's shapes): 14-16 rows for the blocks of 32 (Q8_0, Q5_0), 33-36 for the
 # K-quants, whose int8 kernels do more per byte of weight; not measured on an AVX2-only CPU.
-# With AVX512-VNNI, from `gemm_min_rows()` rows the int8 panel GEMM takes them instead
+# With AVX512-VNNI, from `gemm_min_rows(qtype)` rows the int8 panel GEMM takes them instead
 # (csrc/quant_gemm.c: 1.4-2.5x faster than dequantizing, Zen 4, Llama-3.2-1B's shapes, 9 to
 # 256 rows), and nothing dequantizes.
 DEQUANT_MIN_ROWS_BY_BLOCK = {32: 16, 256: 32}

@@ -178,13 +178,13 @@ int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, con
                     int num_threads);
 
 /* quant_gemm.c: ae_linear_quant's product on AVX512-VNNI over weights unpacked a panel at a
- * time, for many rows of x (the same arguments and returns; -3 where the build has no
- * AVX512-VNNI); ae_linear_quant takes it from ae_quant_gemm_min_rows() rows on the VNNI path
- * (0: never) */
+ * time, for several rows of x (the same arguments and returns; -3 where the build has no
+ * AVX512-VNNI); ae_linear_quant takes it from ae_quant_gemm_min_rows(fmt) rows of format fmt
+ * on the VNNI path (0: never) */
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads);
-int ae_quant_gemm_min_rows(void);
+int ae_quant_gemm_min_rows(int fmt);
 
 /* quant_r8.c: the file's rows [N][K / values * bytes] of the format interleaved format fmt
  * (8-12) is made from (Q4_K, Q8_0, Q5_0, Q4_0, Q6_K) in fmt's layout and back, the same number of

@@ -29,7 +29,7 @@
  * layouts (quant_r8.c) go into the panel without the row-major bytes: two groups' steps
  * make its groups in one permute each (r8_pair).
  */
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -507,121 +507,158 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
     return fns[SB == 16 ? 3 : kq ? 2 : has_min][R - 1];
 }
 
+/* One product's job: panel p is item p (pool.h), run by gemm_panel. */
+struct gemm_job {
+    const void *w, *bias;
+    void *out;
+    struct rows xr;
+    int64_t M, N, K, nb, o_st, panels;
+    int fmt, dt, prefetch;
+};
+
+/* This thread's scratch of at least `bytes`, 64-byte aligned: it only grows, and is never
+ * freed (OpenMP's and the pool's threads live on). NULL when out of memory. */
+static void *gemm_scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t size;
+    if (bytes > size) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes)) return NULL;
+        free(buf);
+        buf = grown;
+        size = bytes;
+    }
+    return buf;
+}
+
+/* Panel p of the product: its chunks unpacked and every row of x run over them, the sums
+ * in the thread's scratch, stored into out if this thread commits the item. 0, or -1 when
+ * out of memory (nothing stored). */
+static int gemm_panel_run(const struct gemm_job *j, int64_t p, const struct ae_commit *commit) {
+    const int fmt = j->fmt, r8 = fmt >= AE_QUANT_Q4_K_R8;
+    const struct fmt_info fi = FMT[fmt];
+    const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb, row_bytes = nb * fi.bytes;
+    const int64_t kc_max = K < KC ? K : KC, m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
+    /* u: a chunk of the panel's rows unpacked (not for the 8-row layouts); the chunk in the
+     * panel's layout; its d_s and m_s; the sums of every row of x for the panel; the bias */
+    const size_t u_bytes = r8 ? 0 : (size_t)(PANEL * kc_max);
+    const size_t p_bytes = (size_t)(kc_max / 4 * GROUP);
+    const size_t f_bytes = (size_t)(kc_max / fi.sub * PANEL) * 4;
+    char *buf = gemm_scratch(u_bytes + p_bytes + 2 * f_bytes + (size_t)(m_pad + 1) * PANEL * 4);
+    if (buf == NULL) return -1;
+    uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
+    float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + kc_max / fi.sub * PANEL;
+    float *res = mn + kc_max / fi.sub * PANEL, *bias_row = res + m_pad * PANEL;
+    const uint8_t *w = j->w;
+    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
+        if (r8) { /* 16 rows (two groups of 8) at a time, straight into the panel */
+            for (int half = 0; half < 2; half++) {
+                int64_t gr[2];
+                for (int e = 0; e < 2; e++) {
+                    const int c = 16 * half + 8 * e;
+                    gr[e] = c < cols ? (n0 + c) / 8 : -1;
+                    if (c < cols) {
+                        r8_scales(fmt, w, gr[e], nb, k0 / fi.values, kc / fi.values, sc, mn, c);
+                        continue;
+                    }
+                    for (int64_t t = 0; t < subs; t++) /* past N: zero scales */
+                        for (int i = 0; i < 8; i++) sc[t * PANEL + c + i] = mn[t * PANEL + c + i] = 0;
+                }
+                r8_pair_any(fmt, w, gr[0], gr[1], nb, k0 / 32, kc / 32, panel + 64 * half);
+            }
+        } else {
+            for (int c = 0; c < PANEL; c++) {
+                if (c < cols) {
+                    const uint8_t *row = w + (n0 + c) * row_bytes;
+                    unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values, u + c * kc,
+                               sc, mn, c);
+                } else { /* past N: zero weights, zero scales */
+                    memset(u + c * kc, 0, (size_t)kc);
+                    for (int64_t t = 0; t < subs; t++) sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
+                }
+            }
+            for (int half = 0; half < 2; half++)
+                for (int64_t k = 0; k < kc; k += 16)
+                    transpose_16(u + half * 16 * kc + k, kc, panel + k / 4 * GROUP + 64 * half);
+        }
+        struct pf pf;
+        const int prefetch = j->prefetch && (k0 + KC < K || p + 1 < j->panels);
+        if (prefetch) next_chunk(fmt, w, N, nb, p, k0, K, &pf);
+        const int64_t tiles = (M + TILE_R - 1) / TILE_R, lines = prefetch ? pf.to : 0;
+        for (int64_t m = 0; m < M; m += TILE_R) {
+            const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
+            if (prefetch) { /* each tile its share of the next chunk's lines */
+                pf.from = lines * (m / TILE_R) / tiles;
+                pf.to = lines * (m / TILE_R + 1) / tiles;
+            }
+            tile_for(R, fi.sub, fi.has_min, fi.values == 256)(
+                panel, sc, mn, &j->xr, m, k0, kc, k0 == 0, res + m * PANEL, prefetch ? &pf : NULL);
+        }
+    }
+    if (!ae_commit_begin(commit)) return 0; /* another thread committed this panel */
+    ae_store_rows(res, PANEL, M, cols, j->bias, bias_row, j->dt, j->out, j->o_st, n0);
+    ae_commit_end(commit);
+    return 0;
+}
+
+/* Set when a panel had no scratch; read once the product is over. */
+static _Atomic int gemm_failed;
+
+static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commit) {
+    if (gemm_panel_run(ctx, p, commit)) atomic_store(&gemm_failed, 1);
+}
+
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads) {
     if (fmt < 0 || fmt >= AE_QUANT_FORMATS) return -3;
     const struct fmt_info fi = FMT[fmt];
-    const int r8 = fmt >= AE_QUANT_Q4_K_R8;
-    if (r8 && N % 8) return -2;
+    if (fmt >= AE_QUANT_Q4_K_R8 && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t nb = K / fi.values, nb32 = K / 32, S = K / fi.sub, row_bytes = nb * fi.bytes;
+    const int64_t nb32 = K / 32, S = K / fi.sub, panels = (N + PANEL - 1) / PANEL;
+    /* Decode-sized products run on the work pool (pool.h): a helper that is preempted costs
+     * its panels, not a wait. x's rows then lie in the pool's buffer (a late helper may read
+     * them after this call), else in fresh memory. */
+    const int pooled = panels <= AE_POOL_MAX_ITEMS && ae_linear_use_pool(M, num_threads);
     /* x: int8 values, block scales, and per sub-block -o * A_s and da * A_s */
     const size_t q_bytes = (size_t)(M * K), d_bytes = (size_t)(M * nb32) * 4;
-    const size_t s_bytes = (size_t)(M * S) * 4;
-    char *xbuf = malloc(q_bytes + d_bytes + 2 * s_bytes);
-    if (xbuf == NULL) return -1;
+    const size_t s_bytes = (size_t)(M * S) * 4, bytes = q_bytes + d_bytes + 2 * s_bytes;
+    char *xbuf = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
+    if (xbuf == NULL) {
+        if (pooled) ae_pool_release();
+        return -1;
+    }
     int8_t *qa = (int8_t *)xbuf;
     float *da = (float *)(xbuf + q_bytes);
     int32_t *init = (int32_t *)(xbuf + q_bytes + d_bytes);
     float *fa = (float *)(xbuf + q_bytes + d_bytes + s_bytes);
     /* the K-quants' activations as quant_kquants.c's: one scale per 256 values */
-    if (fi.values == 256) ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da, num_threads);
-    else ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, num_threads);
+    const int q_threads = pooled ? 1 : num_threads;
+    if (fi.values == 256) ae_quantize_rows_q8k(dt, x, x_st, M, K, qa, da, q_threads);
+    else ae_quantize_rows_q8(dt, x, x_st, M, K, qa, da, q_threads);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t s = 0; s < S; s++) {
             const int8_t *a = qa + m * K + s * fi.sub;
             int32_t sum = 0;
-            for (int j = 0; j < fi.sub; j++) sum += a[j];
+            for (int i = 0; i < fi.sub; i++) sum += a[i];
             init[m * S + s] = -fi.offset * sum;
             fa[m * S + s] = da[m * nb32 + s * fi.sub / 32] * (float)sum;
         }
     }
-    const struct rows xr = {qa, da, init, fi.has_min ? fa : NULL, K, S};
     /* Prefetching pays where the chunk's memory is a large share of its time; past 128 rows
      * of x (their chunk, 128 KB, read from L2 by every tile) it measured level to 4% slower. */
-    const int pf_on = M <= 128;
-    const int64_t panels = (N + PANEL - 1) / PANEL, kc_max = K < KC ? K : KC;
-    const int64_t m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
-    int failed = 0;
-    const int threads = panels < num_threads ? (int)panels : num_threads;
-#pragma omp parallel num_threads(threads)
-    {
-        /* u: a chunk of the panel's rows unpacked; the chunk in the panel's layout; its d_s
-         * and m_s; the sums of every row of x for the panel */
-        const size_t u_bytes = (size_t)(PANEL * kc_max), p_bytes = (size_t)(kc_max / 4 * GROUP);
-        const size_t f_bytes = (size_t)(kc_max / fi.sub * PANEL) * 4;
-        char *buf = aligned_alloc(64, u_bytes + p_bytes + 2 * f_bytes + (size_t)m_pad * PANEL * 4);
-        if (buf == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
-        float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + kc_max / fi.sub * PANEL;
-        float *res = mn + kc_max / fi.sub * PANEL;
-        float bias_row[PANEL];
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            if (buf == NULL) continue;
-            const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
-                if (r8) { /* 16 rows (two groups of 8) at a time, straight into the panel */
-                    for (int half = 0; half < 2; half++) {
-                        int64_t gr[2];
-                        for (int e = 0; e < 2; e++) {
-                            const int c = 16 * half + 8 * e;
-                            gr[e] = c < cols ? (n0 + c) / 8 : -1;
-                            if (c < cols) {
-                                r8_scales(fmt, w, gr[e], nb, k0 / fi.values, kc / fi.values, sc,
-                                          mn, c);
-                                continue;
-                            }
-                            for (int64_t t = 0; t < subs; t++) /* past N: zero scales */
-                                for (int j = 0; j < 8; j++)
-                                    sc[t * PANEL + c + j] = mn[t * PANEL + c + j] = 0;
-                        }
-                        r8_pair_any(fmt, w, gr[0], gr[1], nb, k0 / 32, kc / 32,
-                                    panel + 64 * half);
-                    }
-                } else {
-                    for (int c = 0; c < PANEL; c++) {
-                        if (c < cols) {
-                            const uint8_t *row = (const uint8_t *)w + (n0 + c) * row_bytes;
-                            unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values,
-                                       u + c * kc, sc, mn, c);
-                        } else { /* past N: zero weights, zero scales */
-                            memset(u + c * kc, 0, (size_t)kc);
-                            for (int64_t t = 0; t < subs; t++)
-                                sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
-                        }
-                    }
-                    for (int half = 0; half < 2; half++)
-                        for (int64_t k = 0; k < kc; k += 16)
-                            transpose_16(u + half * 16 * kc + k, kc,
-                                         panel + k / 4 * GROUP + 64 * half);
-                }
-                struct pf pf;
-                const int prefetch = pf_on && (k0 + KC < K || p + 1 < panels);
-                if (prefetch) next_chunk(fmt, w, N, nb, p, k0, K, &pf);
-                const int64_t tiles = (M + TILE_R - 1) / TILE_R, lines = prefetch ? pf.to : 0;
-                for (int64_t m = 0; m < M; m += TILE_R) {
-                    const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
-                    if (prefetch) { /* each tile its share of the next chunk's lines */
-                        pf.from = lines * (m / TILE_R) / tiles;
-                        pf.to = lines * (m / TILE_R + 1) / tiles;
-                    }
-                    tile_for(R, fi.sub, fi.has_min, fi.values == 256)(
-                        panel, sc, mn, &xr, m, k0, kc, k0 == 0, res + m * PANEL,
-                        prefetch ? &pf : NULL);
-                }
-            }
-            ae_store_rows(res, PANEL, M, cols, bias, bias_row, dt, out, o_st, n0);
-        }
-        free(buf);
-    }
-    free(xbuf);
+    const struct gemm_job job = {
+        w, bias, out, {qa, da, init, fi.has_min ? fa : NULL, K, S}, M, N, K, K / fi.values, o_st,
+        panels, fmt, dt, M <= 128,
+    };
+    atomic_store(&gemm_failed, 0);
+    ae_linear_run_items(pooled, gemm_panel, &job, sizeof job, panels, num_threads);
+    const int failed = atomic_load(&gemm_failed);
+    if (pooled) ae_pool_release();
+    else free(xbuf);
     return failed ? -1 : 0;
 }
 

@@ -835,15 +835,19 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     return 0;
 }
 
-/* From this many rows of x, on the VNNI path, products run on quant_gemm.c's panels: above
- * AE_POOL_MAX_ROWS (its OpenMP team never meets the pool's decode steps) and where it is
- * faster than the tiles here (measured: see quant_gemm.c). */
-#define GEMM_MIN_ROWS 9
-
-int ae_quant_gemm_min_rows(void) {
+/* From how many rows of x, on the VNNI path, products of format fmt run on quant_gemm.c's
+ * panels (on the work pool up to AE_POOL_MAX_ROWS, as the tiles here): where it measured
+ * faster than the tiles on Llama-3.2-1B's and SmolLM2's shapes (2 Zen 4 cores). The 8-row
+ * layouts and the legacy formats: 0.73-1.00x the tiles' time at 6 rows, 0.61-0.97x at 8, up
+ * to 1.75x slower at 4 on SmolLM2's narrow weights. The K-quants' file layouts (Q5_K; Q4_K
+ * and Q6_K where they could not be interleaved) unpack a row at a time: 1.08-1.35x slower
+ * than the tiles at 8 rows, level at 9, 0.79-0.83x at 16. */
+int ae_quant_gemm_min_rows(int fmt) {
 #ifdef HAVE_VNNI
-    return current_path() == PATH_VNNI ? GEMM_MIN_ROWS : 0;
+    if (current_path() != PATH_VNNI) return 0;
+    return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
 #else
+    (void)fmt;
     return 0;
 #endif
 }
@@ -870,7 +874,7 @@ int ae_quant_formats(void) {
 int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                     int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                     int num_threads) {
-    const int gemm_rows = ae_quant_gemm_min_rows();
+    const int gemm_rows = ae_quant_gemm_min_rows(fmt);
     if (gemm_rows > 0 && M >= gemm_rows) {
         const int r = ae_quant_gemm(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
         if (r != -3) return r;

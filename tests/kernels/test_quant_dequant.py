@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def no_panel_gemm() -> Iterator[None]:
     """A path without the panel GEMM (csrc/quant_gemm.c), which would take many-row products
     instead of the dequantized weight."""
-    if quant_cpu.gemm_min_rows() and "avx2" in quant_cpu.available_paths():
+    if quant_cpu.gemm_min_rows("q8_0") and "avx2" in quant_cpu.available_paths():
         quant_cpu.set_path("avx2")
     yield
     quant_cpu.set_path(None)

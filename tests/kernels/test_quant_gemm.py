@@ -80,22 +80,24 @@ def test_products_match_the_exact_product(qtype: str, dtype: torch.dtype) -> Non
 
 
 @vnni
-def test_many_rows_take_the_gemm_and_fewer_the_tiles() -> None:
-    """linear_quant_cpu runs the panel GEMM from gemm_min_rows() rows on the VNNI path (the
-    same numbers, up to the order of the fp32 sums), never on another path."""
-    rows = quant_cpu.gemm_min_rows()
-    assert rows > 8  # above the work pool's rows: decode steps of a few streams keep the tiles
+@pytest.mark.parametrize("qtype", ["q4_k", "q8_0_r8"])
+def test_many_rows_take_the_gemm_and_fewer_the_tiles(qtype: str) -> None:
+    """linear_quant_cpu runs the panel GEMM from gemm_min_rows(qtype) rows on the VNNI path
+    (the same numbers, up to the order of the fp32 sums), never on another path."""
+    rows = quant_cpu.gemm_min_rows(qtype)
+    # one row stays a matrix-vector product; the file layouts of the K-quants unpack slower
+    assert rows == (9 if qtype == "q4_k" else 6)
     generator = torch.Generator().manual_seed(3)
-    qweight = random_blocks("q4_k", 40, 512, generator)
+    qweight = random_blocks(qtype, 40, 512, generator)
     for m in (rows - 1, rows, 3 * rows):
         x = torch.randn(m, 512, generator=generator)
-        exact, magnitude = _exact(x, qweight, "q4_k", None)
-        out = linear_quant_cpu(x, qweight, "q4_k")
+        exact, magnitude = _exact(x, qweight, qtype, None)
+        out = linear_quant_cpu(x, qweight, qtype)
         assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
         if m >= rows:
-            assert torch.equal(out, quant_gemm_cpu(x, qweight, "q4_k"))
+            assert torch.equal(out, quant_gemm_cpu(x, qweight, qtype))
     quant_cpu.set_path("avx2")
-    assert quant_cpu.gemm_min_rows() == 0
+    assert quant_cpu.gemm_min_rows(qtype) == 0
 
 
 @vnni

@@ -207,7 +207,7 @@ def test_a_long_prefill_gives_its_routes_reference_logprobs(tmp_path: Path, qtyp
     try:
         for path, rounded in routes:
             quant_cpu.set_path(path)
-            assert (quant_cpu.gemm_min_rows() > 0) == rounded
+            assert (quant_cpu.gemm_min_rows("q8_0") > 0) == rounded
             model = _reference_model(tiny.path, tiny, quantized=rounded)
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt])).logits[0].float()
