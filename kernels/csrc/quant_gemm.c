@@ -23,11 +23,15 @@
  * in fp32. The integer dots are those of quant_legacy.c's and quant_kquants.c's kernels
  * (Q6_K's scales apply per 16 values, as ggml's); only the order of the fp32 sums differs.
  *
- * Work: panels of 32 weight rows split between OpenMP threads. A thread unpacks its panel's
- * rows into bytes (plain loops GCC vectorizes), transposes them 16 rows by 4 values at a time
- * into the panel (32 x K bytes, in L2), then runs every 4 rows of x over it. The 8-row
- * layouts (quant_r8.c) go into the panel without the row-major bytes: two groups' steps
- * make its groups in one permute each (r8_pair).
+ * Work: panels of 32 weight rows, one item each: on the work pool (pool.c) for up to
+ * AE_POOL_MAX_ROWS rows of x, as the decode step's other products, else split between OpenMP
+ * threads a contiguous range each. A thread unpacks its panel's rows into bytes (plain loops
+ * GCC vectorizes), transposes them 16 rows by 4 values at a time into the panel (32 x K
+ * bytes, in L2), then runs every 4 rows of x over it, the sums in its own scratch until the
+ * item is committed. The 8-row layouts (quant_r8.c) go into the panel without the row-major
+ * bytes: two groups' steps make its groups in one permute each (r8_pair). While the rows run
+ * over a chunk, the tiles prefetch the next chunk's weights (struct pf): the unpacking no
+ * longer waits on memory with no product running.
  */
 #include <stdatomic.h>
 #include <stdint.h>
