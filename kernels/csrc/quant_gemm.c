@@ -121,7 +121,27 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
             sc[j] = d * (float)s[j];
             mn[j] = -dmin * (float)m[j];
         }
-        unpack_sb(fmt, b, u);
+        if (fmt == 5) {
+            unpack_sb(fmt, b, u);
+            break;
+        }
+        /* Q5_K in vectors (unpack_sb's byte shifts of qh by 2c did not vectorize): values
+         * 64c .. 64c + 31 are qs[32c + l]'s low nibbles, 64c + 32 .. its high ones, plus 16
+         * where bit 2c (2c + 1) of qh[l] is set */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i m4 = _mm256_set1_epi8(15);
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+            const __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
+            const __mmask64 h =
+                (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))) |
+                (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1))))
+                    << 32;
+            _mm512_storeu_si512(u + 64 * c,
+                                _mm512_mask_add_epi8(v, h, v, _mm512_set1_epi8(16)));
+        }
         break;
     }
     case 7: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; 16-value group t's scale is t's */
