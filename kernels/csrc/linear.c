@@ -171,13 +171,14 @@ uint32_t *ae_rows_as_pairs(int pooled, const void *x, int64_t x_st, int64_t M, i
 }
 
 /* This thread's scratch of at least `floats` floats (it only grows; kept for the thread's
- * life). */
+ * life): a few KB for the products' items, up to about a MB for quant_gemm.c's panels of a
+ * long prefill chunk. */
 float *ae_thread_scratch(size_t floats) {
     static __thread float *buf;
     static __thread size_t size;
     if (floats > size) {
         float *grown = realloc(buf, floats * sizeof(float));
-        if (grown == NULL) abort(); /* a few KB per thread: no way on without it */
+        if (grown == NULL) abort(); /* an item has no way on without it */
         buf = grown;
         size = floats;
     }

@@ -33,7 +33,6 @@
  * over a chunk, the tiles prefetch the next chunk's weights (struct pf): the unpacking no
  * longer waits on memory with no product running.
  */
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,7 +200,7 @@ static ALWAYS_INLINE void r8_steps(const int fmt, const uint8_t *restrict w, int
     case AE_QUANT_Q5_0_R8:
     case AE_QUANT_Q4_0_R8: {
         const int hb = fmt == AE_QUANT_Q5_0_R8;
-        const uint8_t *blk = w + (g * nb + unit) * (hb ? Q50R8_BYTES : Q40R8_BYTES);
+        const uint8_t *blk = w + (g * nb + unit) * r8_group_bytes(fmt);
         for (int c = 0; c < 2; c++) {
             const __m512i P = _mm512_loadu_si512(blk + 16 + 64 * c);
             v[2 * c] = _mm512_and_si512(P, m4);
@@ -343,10 +342,7 @@ static void r8_scales(int fmt, const uint8_t *restrict w, int64_t g, int64_t nb,
             break;
         }
         default: { /* Q8_0_R8, Q5_0_R8, Q4_0_R8: the 8 rows' d first */
-            const int64_t gbytes = fmt == AE_QUANT_Q8_0_R8   ? Q8R8_BYTES
-                                   : fmt == AE_QUANT_Q5_0_R8 ? Q50R8_BYTES
-                                                             : Q40R8_BYTES;
-            const uint8_t *blk = w + (g * nb + b0 + i) * gbytes;
+            const uint8_t *blk = w + (g * nb + b0 + i) * r8_group_bytes(fmt);
             _mm256_storeu_ps(sc + i * PANEL + col,
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
             break;
@@ -540,25 +536,11 @@ struct gemm_job {
     int fmt, dt, prefetch;
 };
 
-/* This thread's scratch of at least `bytes`, 64-byte aligned: it only grows, and is never
- * freed (OpenMP's and the pool's threads live on). NULL when out of memory. */
-static void *gemm_scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t size;
-    if (bytes > size) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, bytes)) return NULL;
-        free(buf);
-        buf = grown;
-        size = bytes;
-    }
-    return buf;
-}
-
-/* Panel p of the product: its chunks unpacked and every row of x run over them, the sums
- * in the thread's scratch, stored into out if this thread commits the item. 0, or -1 when
- * out of memory (nothing stored). */
-static int gemm_panel_run(const struct gemm_job *j, int64_t p, const struct ae_commit *commit) {
+/* Panel p of the product (item p): its chunks unpacked and every row of x run over them,
+ * the sums in the thread's scratch (linear.c's, as the other quantized products' items),
+ * stored into out if this thread commits the item. */
+static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commit) {
+    const struct gemm_job *j = ctx;
     const int fmt = j->fmt, r8 = fmt >= AE_QUANT_Q4_K_R8;
     const struct fmt_info fi = FMT[fmt];
     const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb, row_bytes = nb * fi.bytes;
@@ -568,8 +550,9 @@ static int gemm_panel_run(const struct gemm_job *j, int64_t p, const struct ae_c
     const size_t u_bytes = r8 ? 0 : (size_t)(PANEL * kc_max);
     const size_t p_bytes = (size_t)(kc_max / 4 * GROUP);
     const size_t f_bytes = (size_t)(kc_max / fi.sub * PANEL) * 4;
-    char *buf = gemm_scratch(u_bytes + p_bytes + 2 * f_bytes + (size_t)(m_pad + 1) * PANEL * 4);
-    if (buf == NULL) return -1;
+    const size_t bytes = u_bytes + p_bytes + 2 * f_bytes + (size_t)(m_pad + 1) * PANEL * 4;
+    char *buf = (char *)ae_thread_scratch(bytes / 4 + 16); /* 64-byte aligned below */
+    buf += (64 - (uintptr_t)buf % 64) % 64;
     uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
     float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + kc_max / fi.sub * PANEL;
     float *res = mn + kc_max / fi.sub * PANEL, *bias_row = res + m_pad * PANEL;
@@ -621,17 +604,9 @@ static int gemm_panel_run(const struct gemm_job *j, int64_t p, const struct ae_c
                 panel, sc, mn, &j->xr, m, k0, kc, k0 == 0, res + m * PANEL, prefetch ? &pf : NULL);
         }
     }
-    if (!ae_commit_begin(commit)) return 0; /* another thread committed this panel */
+    if (!ae_commit_begin(commit)) return; /* another thread committed this panel */
     ae_store_rows(res, PANEL, M, cols, j->bias, bias_row, j->dt, j->out, j->o_st, n0);
     ae_commit_end(commit);
-    return 0;
-}
-
-/* Set when a panel had no scratch; read once the product is over. */
-static _Atomic int gemm_failed;
-
-static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commit) {
-    if (gemm_panel_run(ctx, p, commit)) atomic_store(&gemm_failed, 1);
 }
 
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
@@ -678,12 +653,10 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
         w, bias, out, {qa, da, init, fi.has_min ? fa : NULL, K, S}, M, N, K, K / fi.values, o_st,
         panels, fmt, dt, M <= 128,
     };
-    atomic_store(&gemm_failed, 0);
     ae_linear_run_items(pooled, gemm_panel, &job, sizeof job, panels, num_threads);
-    const int failed = atomic_load(&gemm_failed);
     if (pooled) ae_pool_release();
     else free(xbuf);
-    return failed ? -1 : 0;
+    return 0;
 }
 
 #else /* no AVX512-VNNI: quant_legacy.c's and quant_kquants.c's kernels take every product */
