@@ -1,7 +1,7 @@
 """Linear layers over GGUF's block-quantized weights on CPU: the native kernels
 (`csrc/quant_legacy.c` for the blocks of 32, `csrc/quant_kquants.c` for the K-quants, and
-`csrc/quant_gemm.c` for many rows on AVX512-VNNI), a torch reference, and quantizers for
-tests.
+`csrc/quant_gemm.c` and `csrc/quant_gemm_avx2.c` for many rows), a torch reference, and
+quantizers for tests.
 
 A weight [N, K] is kept as a GGUF file stores it, a uint8 tensor [N, K / values * block bytes]
 of whole blocks (the formats: `quant_formats`), so a tensor can be read in place from the
@@ -215,7 +215,8 @@ def current_path() -> str:
 
 def gemm_min_rows(qtype: str) -> int:
     """From how many rows `linear_quant_cpu` runs a product over `qtype` weights on the panel
-    GEMM (`csrc/quant_gemm.c`: the AVX512-VNNI path only); 0 where it never does."""
+    GEMM (`csrc/quant_gemm.c` on the AVX512-VNNI path, `csrc/quant_gemm_avx2.c` on the AVX2
+    path for the file layouts); 0 where it never does (the scalar path)."""
     return int(_kernels().quant_gemm_min_rows(quant_format(qtype).code))
 
 
@@ -258,8 +259,8 @@ def linear_quant_cpu(
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`x @ W^T + bias` by the native kernels (see the module docstring): one row runs as a
     matrix-vector product on the work pool, more rows as tiles that load each weight block
-    once for several rows, and from `gemm_min_rows(qtype)` rows (AVX512-VNNI) as a GEMM over
-    panels of the weight unpacked to bytes."""
+    once for several rows, and from `gemm_min_rows(qtype)` rows (AVX512-VNNI and AVX2) as a
+    GEMM over panels of the weight unpacked to bytes."""
     lib = _kernels()
     missing = f"this build's native kernels do not run {qtype} (see native_formats())"
     return _product(
@@ -275,9 +276,10 @@ def quant_gemm_cpu(
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`linear_quant_cpu`'s product on the panel GEMM (`csrc/quant_gemm.c`) whatever the rows
     (linear_quant_cpu takes it from `gemm_min_rows(qtype)` rows): for tests and benchmarks. Raises
-    ValueError where this build or path has no panel GEMM (AVX512-VNNI)."""
+    ValueError where this build or path has no panel GEMM for it (AVX512-VNNI: every format;
+    AVX2: the file layouts)."""
     lib = _kernels()
-    missing = "this build of the native kernels has no panel GEMM (AVX512-VNNI)"
+    missing = f"the native kernels have no panel GEMM for {qtype} on the {current_path()} path"
     return _product(
         lambda *args: lib.quant_gemm(*args), "quant_gemm_cpu", missing, x, qweight, qtype, bias
     )

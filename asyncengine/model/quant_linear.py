@@ -86,19 +86,21 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
 
 
-# On CPUs without AVX512-VNNI, products of at least this many rows dequantize the weight (once
-# per product, into a scratch buffer of at most DEQUANT_CHUNK_BYTES at a time, never kept) and
-# run torch's float GEMM on it: there the GEMM's speed outweighs a pass over the weight, while
-# the int8 kernels pay a scale product per block and row. Fewer rows (decode of a few streams)
-# read the blocks in place with the activations quantized to int8, as llama.cpp does. The two
-# give slightly different sums (no int8 rounding of the activations here), so a request's
-# numbers depend on how many rows its step had, as with any GEMM. Where the two crossed,
-# measured on AVX512-VNNI Zen 4 before the panel GEMM (one thread, SmolLM2's and
-# Llama-3.2-1B's shapes): 14-16 rows for the blocks of 32 (Q8_0, Q5_0), 33-36 for the
-# K-quants, whose int8 kernels do more per byte of weight; not measured on an AVX2-only CPU.
-# With AVX512-VNNI, from `gemm_min_rows(qtype)` rows the int8 panel GEMM takes them instead
-# (csrc/quant_gemm.c: 1.4-2.5x faster than dequantizing, Zen 4, Llama-3.2-1B's shapes, 9 to
-# 256 rows), and nothing dequantizes.
+# Where the kernels' path has no panel GEMM (`gemm_min_rows(qtype)` is 0: the scalar path),
+# products of at least this many rows dequantize the weight (once per product, into a scratch
+# buffer of at most DEQUANT_CHUNK_BYTES at a time, never kept) and run torch's float GEMM on
+# it: there the GEMM's speed outweighs a pass over the weight, while the int8 tiles pay a
+# scale product per block and row. Fewer rows (decode of a few streams) read the blocks in
+# place with the activations quantized to int8, as llama.cpp does. The two give slightly
+# different sums (no int8 rounding of the activations here), so a request's numbers depend on
+# how many rows its step had, as with any GEMM. Where the two crossed, measured on AVX512-VNNI
+# Zen 4 before the panel GEMM (one thread, SmolLM2's and Llama-3.2-1B's shapes): 14-16 rows
+# for the blocks of 32 (Q8_0, Q5_0), 33-36 for the K-quants, whose int8 kernels do more per
+# byte of weight. On the AVX512-VNNI and AVX2 paths, from `gemm_min_rows(qtype)` rows the int8
+# panel GEMM takes them instead (csrc/quant_gemm.c: 1.4-2.5x faster than dequantizing, Zen 4,
+# Llama-3.2-1B's shapes, 9 to 256 rows; csrc/quant_gemm_avx2.c: level with dequantizing into
+# an AVX512-BF16 GEMM on the same Zen 4, so faster where there is none), and nothing
+# dequantizes.
 DEQUANT_MIN_ROWS_BY_BLOCK = {32: 16, 256: 32}
 # From this many rows every format dequantizes.
 DEQUANT_MIN_ROWS = max(DEQUANT_MIN_ROWS_BY_BLOCK.values())

@@ -158,6 +158,10 @@ void ae_lm_head_quantize(const void *w, int64_t N, int64_t K, int64_t Kp, int8_t
  * quantization; which paths were built, and the one to take */
 int ae_quant_paths(void);
 int ae_quant_set_path(int path);
+/* the paths' numbers (ae_quant_set_path(-2) returns the one in effect) */
+#define AE_QUANT_PATH_SCALAR 0
+#define AE_QUANT_PATH_AVX2 1
+#define AE_QUANT_PATH_VNNI 2
 void ae_quantize_rows_q8(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
                          float *d, int num_threads);
 void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_t K, int8_t *qs,
@@ -165,6 +169,7 @@ void ae_quantize_rows_q8k(int dt, const void *x, int64_t x_st, int64_t M, int64_
 /* Format codes as quant_formats.FORMATS: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of
  * 32, quant_legacy.c), 5 Q4_K, 6 Q5_K, 7 Q6_K (super-blocks of 256, quant_kquants.c), 8 Q4_K,
  * 9 Q8_0, 10 Q5_0, 11 Q4_0 and 12 Q6_K with every 8 rows interleaved (quant_r8.c). */
+#define AE_QUANT_Q8_0 0
 #define AE_QUANT_Q4_K 5
 #define AE_QUANT_Q4_K_R8 8
 #define AE_QUANT_Q8_0_R8 9

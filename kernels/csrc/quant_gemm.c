@@ -30,7 +30,7 @@
  * bytes, in L2), then runs every 4 rows of x over it, the sums in its own scratch until the
  * item is committed. The 8-row layouts (quant_r8.c) go into the panel without the row-major
  * bytes: two groups' steps make its groups in one permute each (r8_pair). While the rows run
- * over a chunk, the tiles prefetch the next chunk's weights (struct pf): the unpacking no
+ * over a chunk, the tiles prefetch the next chunk's weights (struct gemm_pf): the unpacking no
  * longer waits on memory with no product running.
  */
 #include <stdint.h>
@@ -41,38 +41,21 @@
 #include "ae_vec.h"
 #include "kquant_blocks.h"
 #include "linear.h"
+#include "quant_gemm.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_GEMM 1
 #endif
+#define PANEL GEMM_PANEL
+#define KC GEMM_KC
+#define FMT GEMM_FMT
 
 #ifdef HAVE_GEMM
 
-#define PANEL 32  /* weight rows per panel: two vectors of 16 */
 #define TILE_R 4  /* rows of x per tile */
 #define GROUP 128 /* bytes of a panel per 4 values: PANEL x 4 */
-/* Values of K unpacked at a time (a multiple of every block): the chunk of the panel (32 KB),
- * its unpacked rows (32 KB) and the 4 rows of x stay in L1 / L2 while every row of x runs
- * over it. Whole rows of K = 8192 (256 KB of panel and as much unpacked) ran at 0.6-0.7x the
- * speed of K = 2048's on the same number of products. */
-#define KC 1024
-
-/* Per format code (quant_formats.FORMATS): values and bytes per block, sub-block values,
- * the integer offset o, whether there is a minimum term. */
-struct fmt_info {
-    int values, bytes, sub, offset, has_min;
-};
-static const struct fmt_info FMT[AE_QUANT_FORMATS] = {
-    {32, 34, 32, 128, 0}, {32, 18, 32, 8, 0},   {32, 20, 32, 0, 1},   {32, 22, 32, 16, 0},
-    {32, 24, 32, 0, 1},   {256, 144, 32, 0, 1}, {256, 176, 32, 0, 1}, {256, 210, 16, 32, 0},
-    {256, 144, 32, 0, 1}, /* Q4_K_R8: read 16 rows at a time (r8_pair, r8_scales) */
-    {32, 34, 32, 128, 0}, /* Q8_0_R8: the same */
-    {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same */
-    {32, 18, 32, 8, 0},
-    {256, 210, 16, 32, 0}, /* Q6_K_R8: the same */
-};
 
 static inline float f16_at(const uint8_t *p) {
     _Float16 v;
@@ -159,7 +142,7 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
 #define UNPACK_ROW_FN(f)                                                                    \
     static void unpack_row_##f(const uint8_t *restrict w, int64_t nb, uint8_t *restrict u,   \
                                float *restrict sc, float *restrict mn, int col) {           \
-        const struct fmt_info fi = FMT[f];                                                  \
+        const struct gemm_fmt fi = FMT[f];                                                  \
         const int subs = fi.values / fi.sub;                                                \
         float s[16], m[16];                                                                 \
         for (int64_t i = 0; i < nb; i++) {                                                  \
@@ -351,31 +334,6 @@ static void r8_scales(int fmt, const uint8_t *restrict w, int64_t g, int64_t nb,
     }
 }
 
-/* The weights of the chunk after panel p's chunk at k0, for the tiles to prefetch into L2
- * while they run over this one (the chunk's unpacking waited on memory otherwise, about a
- * third of the time at 9-16 rows of x): lines [from, to) of it, line i being line i % per of
- * run i / per. A run is a weight row's blocks in the chunk, or a group's (8-row layouts). */
-struct pf {
-    const uint8_t *base[PANEL];
-    int64_t per, from, to;
-};
-
-static void next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t nb, int64_t p, int64_t k0,
-                       int64_t K, struct pf *pf) {
-    const struct fmt_info fi = FMT[fmt];
-    const int rows = fmt >= AE_QUANT_Q4_K_R8 ? 8 : 1; /* rows per run */
-    const int64_t run_bytes = (int64_t)fi.bytes * rows;
-    if (k0 + KC < K) k0 += KC;
-    else p++, k0 = 0;
-    const int64_t kc = K - k0 < KC ? K - k0 : KC;
-    int runs = 0;
-    for (int64_t r = p * PANEL / rows; r < (p + 1) * PANEL / rows && r < N / rows; r++)
-        pf->base[runs++] = w + (r * nb + k0 / fi.values) * run_bytes;
-    pf->per = kc / fi.values * run_bytes / 64;
-    pf->from = 0;
-    pf->to = runs * pf->per;
-}
-
 static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
                        int col) {
     switch (fmt) {
@@ -409,25 +367,15 @@ static inline void transpose_16(const uint8_t *u, int64_t K, uint8_t *dst) {
     _mm512_store_si512((__m512i *)(dst + 3 * GROUP), _mm512_unpackhi_epi64(t1, t3));
 }
 
-/* What the rows of x bring to a product: their int8 values and block scales, and per
- * sub-block the start of the integer sum (-o * A_s) and, for formats with a minimum, da * A_s. */
-struct rows {
-    const int8_t *qa; /* [M][K] */
-    const float *da;  /* [M][K / 32] */
-    const int32_t *init; /* [M][S] */
-    const float *fa;  /* [M][S] */
-    int64_t K, S;
-};
-
 /* R rows of x (from row m) over the panel's values k0 .. k0 + kc: res[r][0..31] (row stride
  * PANEL) = their fp32 sums, added to what res holds unless `first`. With KQ (the K-quants: one
  * activation scale per 256 values), a super-block's sub-blocks are summed times d_s first and
  * multiplied by da once, at its end: one product fewer per sub-block. */
 static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, const int KQ,
                                const uint8_t *restrict panel, const float *restrict sc,
-                               const float *restrict mn, const struct rows *x, int64_t m,
+                               const float *restrict mn, const struct gemm_rows *x, int64_t m,
                                int64_t k0, int64_t kc, int first, float *restrict res,
-                               const struct pf *pf) {
+                               const struct gemm_pf *pf) {
     const int64_t K = x->K, S = x->S, nb = K / 32, s0 = k0 / SB;
     const int per_da = KQ ? 256 / SB : 1; /* sub-blocks under one activation scale */
     const int8_t *qa = x->qa + m * K + k0;
@@ -504,8 +452,8 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, con
  * each. */
 #define TILE_FN(R, SB, MIN, KQ)                                                             \
     static __attribute__((noinline)) void tile_##R##_##SB##_##MIN##_##KQ(                   \
-        const uint8_t *p, const float *sc, const float *mn, const struct rows *x, int64_t m, \
-        int64_t k0, int64_t kc, int first, float *res, const struct pf *pf) {               \
+        const uint8_t *p, const float *sc, const float *mn, const struct gemm_rows *x, int64_t m, \
+        int64_t k0, int64_t kc, int first, float *res, const struct gemm_pf *pf) {               \
         tile(R, SB, MIN, KQ, p, sc, mn, x, m, k0, kc, first, res, pf);                      \
     }
 #define TILE_FNS(SB, MIN, KQ) TILE_FN(1, SB, MIN, KQ) TILE_FN(2, SB, MIN, KQ) \
@@ -515,8 +463,8 @@ TILE_FNS(32, 1, 0)
 TILE_FNS(32, 1, 1)
 TILE_FNS(16, 0, 1)
 
-typedef void (*tile_fn)(const uint8_t *, const float *, const float *, const struct rows *,
-                        int64_t, int64_t, int64_t, int, float *, const struct pf *);
+typedef void (*tile_fn)(const uint8_t *, const float *, const float *, const struct gemm_rows *,
+                        int64_t, int64_t, int64_t, int, float *, const struct gemm_pf *);
 static tile_fn tile_for(int R, int SB, int has_min, int kq) {
     static const tile_fn fns[4][4] = {
         {tile_1_32_0_0, tile_2_32_0_0, tile_3_32_0_0, tile_4_32_0_0},
@@ -527,22 +475,13 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
     return fns[SB == 16 ? 3 : kq ? 2 : has_min][R - 1];
 }
 
-/* One product's job: panel p is item p (pool.h), run by gemm_panel. */
-struct gemm_job {
-    const void *w, *bias;
-    void *out;
-    struct rows xr;
-    int64_t M, N, K, nb, o_st, panels;
-    int fmt, dt, prefetch;
-};
-
 /* Panel p of the product (item p): its chunks unpacked and every row of x run over them,
  * the sums in the thread's scratch (linear.c's, as the other quantized products' items),
  * stored into out if this thread commits the item. */
 static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commit) {
     const struct gemm_job *j = ctx;
     const int fmt = j->fmt, r8 = fmt >= AE_QUANT_Q4_K_R8;
-    const struct fmt_info fi = FMT[fmt];
+    const struct gemm_fmt fi = FMT[fmt];
     const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb, row_bytes = nb * fi.bytes;
     const int64_t kc_max = K < KC ? K : KC, m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
     /* u: a chunk of the panel's rows unpacked (not for the 8-row layouts); the chunk in the
@@ -590,9 +529,9 @@ static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commi
                 for (int64_t k = 0; k < kc; k += 16)
                     transpose_16(u + half * 16 * kc + k, kc, panel + k / 4 * GROUP + 64 * half);
         }
-        struct pf pf;
+        struct gemm_pf pf;
         const int prefetch = j->prefetch && (k0 + KC < K || p + 1 < j->panels);
-        if (prefetch) next_chunk(fmt, w, N, nb, p, k0, K, &pf);
+        if (prefetch) gemm_next_chunk(fmt, w, N, nb, p, k0, K, &pf);
         const int64_t tiles = (M + TILE_R - 1) / TILE_R, lines = prefetch ? pf.to : 0;
         for (int64_t m = 0; m < M; m += TILE_R) {
             const int R = M - m < TILE_R ? (int)(M - m) : TILE_R;
@@ -609,15 +548,31 @@ static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commi
     ae_commit_end(commit);
 }
 
+#endif /* HAVE_GEMM */
+
+#if defined(HAVE_GEMM) || defined(HAVE_GEMM_AVX2)
+
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,
                   int num_threads) {
     if (fmt < 0 || fmt >= AE_QUANT_FORMATS) return -3;
-    const struct fmt_info fi = FMT[fmt];
+    /* the panels of the kernels' path (ae_quant_set_path); AVX2's reads the file layouts */
+    const int path = ae_quant_set_path(-2);
+    ae_pool_fn panel_fn = NULL;
+#ifdef HAVE_GEMM
+    if (path == AE_QUANT_PATH_VNNI) panel_fn = gemm_panel;
+#endif
+#ifdef HAVE_GEMM_AVX2
+    if (path == AE_QUANT_PATH_AVX2 && fmt < AE_QUANT_Q4_K_R8) panel_fn = ae_gemm_panel_avx2;
+#endif
+    if (panel_fn == NULL) return -3;
+    const struct gemm_fmt fi = FMT[fmt];
     if (fmt >= AE_QUANT_Q4_K_R8 && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb32 = K / 32, S = K / fi.sub, panels = (N + PANEL - 1) / PANEL;
+    /* AVX2 multiplies Q8_0's signed values as they are (vpsignb), with no offset */
+    const int offset = path == AE_QUANT_PATH_AVX2 && fmt == AE_QUANT_Q8_0 ? 0 : fi.offset;
     /* Decode-sized products run on the work pool (pool.h): a helper that is preempted costs
      * its panels, not a wait. x's rows then lie in the pool's buffer (a late helper may read
      * them after this call), else in fresh memory. */
@@ -643,7 +598,7 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
             const int8_t *a = qa + m * K + s * fi.sub;
             int32_t sum = 0;
             for (int i = 0; i < fi.sub; i++) sum += a[i];
-            init[m * S + s] = -fi.offset * sum;
+            init[m * S + s] = -offset * sum;
             fa[m * S + s] = da[m * nb32 + s * fi.sub / 32] * (float)sum;
         }
     }
@@ -653,13 +608,14 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
         w, bias, out, {qa, da, init, fi.has_min ? fa : NULL, K, S}, M, N, K, K / fi.values, o_st,
         panels, fmt, dt, M <= 128,
     };
-    ae_linear_run_items(pooled, gemm_panel, &job, sizeof job, panels, num_threads);
+    ae_linear_run_items(pooled, panel_fn, &job, sizeof job, panels, num_threads);
     if (pooled) ae_pool_release();
     else free(xbuf);
     return 0;
 }
 
-#else /* no AVX512-VNNI: quant_legacy.c's and quant_kquants.c's kernels take every product */
+#else /* neither AVX512-VNNI nor AVX2: quant_legacy.c's and quant_kquants.c's kernels take
+       * every product */
 
 int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const void *w,
                   int64_t N, int64_t K, const void *bias, void *out, int64_t o_st,

@@ -835,21 +835,30 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     return 0;
 }
 
-/* From how many rows of x, on the VNNI path, products of format fmt run on quant_gemm.c's
- * panels (on the work pool up to AE_POOL_MAX_ROWS, as the tiles here): where it measured
+/* From how many rows of x products of format fmt run on the panel GEMM of the path
+ * (quant_gemm.c, quant_gemm_avx2.c; 0: never), on the work pool up to AE_POOL_MAX_ROWS as
+ * the tiles here. On the VNNI path, where it measured
  * faster than the tiles on Llama-3.2-1B's and SmolLM2's shapes (2 Zen 4 cores). The 8-row
  * layouts and the legacy formats: 0.73-1.00x the tiles' time at 6 rows, 0.61-0.97x at 8, up
  * to 1.75x slower at 4 on SmolLM2's narrow weights. The K-quants' file layouts (Q5_K; Q4_K
  * and Q6_K where they could not be interleaved) unpack a row at a time: 1.08-1.35x slower
  * than the tiles at 8 rows, level at 9, 0.79-0.83x at 16. */
 int ae_quant_gemm_min_rows(int fmt) {
+    const int path = current_path();
+    (void)fmt, (void)path;
 #ifdef HAVE_VNNI
-    if (current_path() != PATH_VNNI) return 0;
-    return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
-#else
-    (void)fmt;
-    return 0;
+    if (path == PATH_VNNI)
+        return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
 #endif
+#if defined(HAVE_AVX2) && defined(__F16C__)
+    /* AVX2's (quant_gemm_avx2.c) against the AVX2 tiles, Llama-3.2-1B's 8192 x 2048, the
+     * weights from memory, Zen 4 on its AVX2 path: level at 2-4 rows for the 4- and 5-bit
+     * legacy formats, 6 for Q8_0, 6-8 for Q4_K and Q5_K, 12 for Q6_K (the dearest to
+     * unpack); 1.5-2.8x faster at 64 rows. The 8-row layouts are the VNNI path's only. */
+    static const int avx2_rows[AE_QUANT_Q4_K_R8] = {6, 4, 4, 4, 4, 8, 8, 12};
+    if (path == PATH_AVX2 && fmt >= 0 && fmt < AE_QUANT_Q4_K_R8) return avx2_rows[fmt];
+#endif
+    return 0;
 }
 
 /* Bit f set for each format code f (quant_formats.FORMATS) that ae_linear_quant runs: this

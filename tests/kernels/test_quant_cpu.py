@@ -280,14 +280,16 @@ def test_portable_build_computes_the_same(tmp_path: Path, monkeypatch: pytest.Mo
         assert quant_cpu.available_paths() == ("scalar", "avx2")
         assert quant_cpu.current_path() == "avx2"
         torch.manual_seed(5)
-        x = torch.randn(3, 160)
-        for qtype in LEGACY:
-            qweight = quantize_weight(torch.randn(21, 160) * 0.05, qtype)
-            exact, magnitude = _exact(x, qweight, qtype, None)
-            for path in ("scalar", "avx2"):
-                quant_cpu.set_path(path)
-                out = linear_quant_cpu(x, qweight, qtype)
-                assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+        for rows in (3, 13):  # 13: the AVX2 panel GEMM (quant_gemm_avx2.c) for every format
+            x = torch.randn(rows, 160)
+            for qtype in LEGACY:
+                qweight = quantize_weight(torch.randn(21, 160) * 0.05, qtype)
+                exact, magnitude = _exact(x, qweight, qtype, None)
+                for path in ("scalar", "avx2"):
+                    quant_cpu.set_path(path)
+                    assert (quant_cpu.gemm_min_rows(qtype) > 0) == (path == "avx2")
+                    out = linear_quant_cpu(x, qweight, qtype)
+                    assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
     finally:
         cpu_native.load_native.cache_clear()
         quant_cpu._kernels.cache_clear()

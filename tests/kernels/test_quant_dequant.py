@@ -25,10 +25,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture
 def no_panel_gemm() -> Iterator[None]:
-    """A path without the panel GEMM (csrc/quant_gemm.c), which would take many-row products
-    instead of the dequantized weight."""
-    if quant_cpu.gemm_min_rows("q8_0") and "avx2" in quant_cpu.available_paths():
-        quant_cpu.set_path("avx2")
+    """The scalar path, the one without a panel GEMM (csrc/quant_gemm.c, quant_gemm_avx2.c),
+    which would take many-row products instead of the dequantized weight."""
+    quant_cpu.set_path("scalar")
     yield
     quant_cpu.set_path(None)
 

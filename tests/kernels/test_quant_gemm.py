@@ -1,7 +1,8 @@
-"""The many-row product over GGUF blocks on AVX512-VNNI (csrc/quant_gemm.c): every format, on
-awkward shapes (rows through the 4-row tiles' remainders, weight rows past the 32-row panels,
-one and several blocks), each dtype, with and without a bias, against the product of the same
-int8 activations and the dequantized weight in float64; and which products take it."""
+"""The many-row product over GGUF blocks on AVX512-VNNI (csrc/quant_gemm.c) and on AVX2
+(csrc/quant_gemm_avx2.c): every format each path runs, on awkward shapes (rows through the
+tiles' remainders, weight rows past the 32-row panels and their 16-row halves, one and several
+blocks), each dtype, with and without a bias, against the product of the same int8
+activations and the dequantized weight in float64; and which products take it."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ pytestmark = [
 ]
 
 
-def _gemm_here() -> bool:
-    lib = load_native()
-    return lib is not None and "avx512_vnni" in quant_cpu.available_paths()
+def _path_here(path: str) -> bool:
+    return load_native() is not None and path in quant_cpu.available_paths()
 
 
-vnni = pytest.mark.skipif(not _gemm_here(), reason="the panel GEMM needs AVX512-VNNI")
+vnni = pytest.mark.skipif(not _path_here("avx512_vnni"), reason="this CPU has no AVX512-VNNI")
+avx2 = pytest.mark.skipif(not _path_here("avx2"), reason="this CPU has no AVX2")
+GEMM_PATHS = [pytest.param("avx512_vnni", marks=vnni), pytest.param("avx2", marks=avx2)]
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +60,19 @@ def _exact(
     return out, magnitude
 
 
-@vnni
+@pytest.mark.parametrize("path", GEMM_PATHS)
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_products_match_the_exact_product(qtype: str, dtype: torch.dtype) -> None:
+def test_products_match_the_exact_product(path: str, qtype: str, dtype: torch.dtype) -> None:
+    quant_cpu.set_path(path)
     values = quant_format(qtype).values
     generator = torch.Generator().manual_seed(len(qtype) * 7 + DTYPE_CODES[dtype])
-    for m, n, blocks in [(1, 33, 1), (3, 1, 2), (4, 64, 3), (6, 70, 1), (9, 31, 4), (13, 97, 2)]:
+    if path == "avx2" and quant_format(qtype).row_group > 1:  # the 8-row layouts: VNNI only
+        with pytest.raises(ValueError, match="no panel GEMM for"):
+            quant_gemm_cpu(torch.ones(2, values), random_blocks(qtype, 8, values, generator), qtype)
+        return
+    shapes = [(1, 33, 1), (3, 1, 2), (4, 64, 3), (6, 70, 1), (9, 31, 4), (13, 97, 2), (5, 16, 5)]
+    for m, n, blocks in shapes:
         k = blocks * max(values, 64)
         group = quant_format(qtype).row_group
         n = -(-n // group) * group  # Q4_K_R8: whole groups of 8 rows
@@ -96,14 +104,35 @@ def test_many_rows_take_the_gemm_and_fewer_the_tiles(qtype: str) -> None:
         assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
         if m >= rows:
             assert torch.equal(out, quant_gemm_cpu(x, qweight, qtype))
-    quant_cpu.set_path("avx2")
+    quant_cpu.set_path("avx2")  # its GEMM reads the file layouts only
+    assert quant_cpu.gemm_min_rows(qtype) == (8 if qtype == "q4_k" else 0)
+    quant_cpu.set_path("scalar")
     assert quant_cpu.gemm_min_rows(qtype) == 0
 
 
-@vnni
+@avx2
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q6_k"])
+def test_avx2_takes_its_gemm_from_its_rows(qtype: str) -> None:
+    """On the AVX2 path linear_quant_cpu runs quant_gemm_avx2.c's panels from gemm_min_rows
+    rows (the same numbers as quant_gemm_cpu there), the tiles below."""
+    quant_cpu.set_path("avx2")
+    rows = quant_cpu.gemm_min_rows(qtype)
+    assert rows == {"q8_0": 6, "q4_0": 4, "q6_k": 12}[qtype]
+    generator = torch.Generator().manual_seed(4)
+    qweight = random_blocks(qtype, 48, 512, generator)
+    for m in (rows - 1, rows, 2 * rows + 1):
+        x = torch.randn(m, 512, generator=generator)
+        exact, magnitude = _exact(x, qweight, qtype, None)
+        out = linear_quant_cpu(x, qweight, qtype)
+        assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
+        if m >= rows:
+            assert torch.equal(out, quant_gemm_cpu(x, qweight, qtype))
+
+
+@avx2
 def test_quant_linear_keeps_many_rows_on_the_int8_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the panel GEMM, many-row products never dequantize the weight; on a path without
-    it, they do from dequant_min_rows rows."""
+    """With a panel GEMM (AVX512-VNNI, AVX2), many-row products never dequantize the weight;
+    on the scalar path, which has none, they do from dequant_min_rows rows."""
     generator = torch.Generator().manual_seed(5)
     layer = QuantLinear(random_blocks("q8_0", 48, 256, generator), "q8_0", None)
     calls: list[int] = []
@@ -118,5 +147,8 @@ def test_quant_linear_keeps_many_rows_on_the_int8_gemm(monkeypatch: pytest.Monke
     layer(x)
     assert calls == []
     quant_cpu.set_path("avx2")
+    layer(x)
+    assert calls == []
+    quant_cpu.set_path("scalar")
     layer(x)
     assert calls == [64]

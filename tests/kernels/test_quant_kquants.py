@@ -207,12 +207,12 @@ def test_portable_build_computes_the_same(tmp_path: Path, monkeypatch: pytest.Mo
         assert quant_cpu.available_paths() == ("scalar", "avx2")
         assert set(KQ) <= set(quant_cpu.native_formats())
         gen = torch.Generator().manual_seed(5)
-        x = torch.randn(3, 768, generator=gen)
+        x = torch.randn(13, 768, generator=gen)  # 13 rows: the AVX2 panel GEMM for each
         for qtype in KQ:
             qweight = random_blocks(qtype, 21, 768, gen)
             for path in ("scalar", "avx2"):
                 quant_cpu.set_path(path)
-                for rows in (x[:1], x):
+                for rows in (x[:1], x[:3], x):
                     _check(linear_quant_cpu(rows, qweight, qtype), rows, qweight, qtype, None)
     finally:
         cpu_native.load_native.cache_clear()
