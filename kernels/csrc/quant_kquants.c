@@ -45,7 +45,8 @@
  *     AVX512BW as well (always there beside VNNI); without it, the AVX2 path runs.
  *   AVX2: one ymm (32 values) at a time: vpmaddubsw (unsigned q by signed a, pairs at most
  *     2 * 63 * 127: no saturation), vpmaddwd by the integer scales (Q6_K: the two groups'
- *     scales in the two halves), converted and scaled by d * da in one FMA.
+ *     scales in the two halves) into the super-block's int32 sums, converted and scaled by
+ *     d * da in one FMA per super-block.
  *   Scalar: plain loops over the unpacked values, Q6_K's (q - 32) exact in int32 (any CPU;
  *     a build without AVX2); one copy per format with R and C at run time.
  *
@@ -279,6 +280,12 @@ static ALWAYS_INLINE void tile_avx2(const int fmt, const int R, const int C, con
                 if (fmt == FMT_Q6_K) part[r] = _mm256_fmadd_ps(off1, _mm256_loadu_ps(sa + 8), part[r]);
                 acc[r][c] = _mm256_sub_ps(acc[r][c], part[r]);
             }
+            /* the super-block's sum of sc * q * a, in int32 lanes (at most 8 * 2 * 63 * 63 *
+             * 127 for Q4_K / Q5_K's six-bit scales, 8 * 2 * 63 * 127 * 128 for Q6_K's int8
+             * ones): one conversion and one FMA by d * da per super-block, da being one per 256
+             * values (ae_quantize_rows_q8k writes it 8 times) */
+            __m256i isum[MAX_R];
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 __m256i q, s;
@@ -299,10 +306,13 @@ static ALWAYS_INLINE void tile_avx2(const int fmt, const int R, const int C, con
                 for (int r = 0; r < R; r++) {
                     const __m256i a =
                         _mm256_loadu_si256((const __m256i *)(x->a + r * x->K + b * QKK + 32 * j));
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s);
-                    const __m256 da = _mm256_set1_ps(d * x->da[r * x->nb + b * 8 + j]);
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), da, acc[r][c]);
+                    isum[r] = _mm256_add_epi32(
+                        isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s));
                 }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 da = _mm256_set1_ps(d * x->da[r * x->nb + b * 8]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), da, acc[r][c]);
             }
         }
     }
