@@ -5,7 +5,7 @@ land, the K-quants).
 
     python benchmarks/quant_kernels.py [--rows 1,4,64] [--shapes 2048x8192,8192x2048]
                                        [--repeats 30] [--path avx512_vnni|avx2|scalar]
-                                       [--formats q4_0,q4_1]
+                                       [--formats q4_0,q4_1] [--bf16 onednn|dense]
 
 Shapes are N x K (out x in). For each shape and row count it times one product of each kind
 in turn, interleaved (bf16, Q8_0, Q4_0, ..., bf16, ...), `--repeats` times, each call on the
@@ -42,11 +42,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--path", default=None, help="the quantized kernels' CPU path")
     parser.add_argument("--formats", default=None, help="of native_formats(); default: all")
+    parser.add_argument(
+        "--bf16",
+        choices=("onednn", "dense"),
+        default="onednn",
+        help="the bf16 kernel to compare with: oneDNN's (linear_cpu), or the engine's own AVX2 "
+        "one (linear_dense_cpu), which bf16 models run where oneDNN has no bf16 (AVX2 CPUs)",
+    )
     args = parser.parse_args()
 
     from asyncengine.kernels import quant_cpu, quant_formats
     from asyncengine.kernels.cpu_native import require_native
     from asyncengine.kernels.linear_cpu import LinearCpu, pack_native
+    from asyncengine.kernels.linear_dense_cpu import linear_bf16_dense, pack_dense
 
     lib = require_native()
     path = quant_cpu.set_path(args.path)
@@ -57,8 +65,9 @@ def main() -> int:
         if missing:
             parser.error(f"not run natively here: {', '.join(missing)} (have {formats})")
         formats = tuple(wanted)
-    print(f"threads {torch.get_num_threads()}, quantized path {path}, bf16 fast path "
-          f"{'yes' if lib.linear_bf16_fast else 'no'}, formats {', '.join(formats)}")  # fmt: skip
+    print(f"threads {torch.get_num_threads()}, quantized path {path}, bf16 kernel {args.bf16}, "
+          f"bf16 fast path {'yes' if lib.linear_bf16_fast else 'no'}, "
+          f"formats {', '.join(formats)}")  # fmt: skip
     print("| N x K | rows | kind | ms | GB/s | bf16 / kind |")
     print("|---|---|---|---|---|---|")
     torch.manual_seed(0)
@@ -68,11 +77,19 @@ def main() -> int:
             n, k = (int(v) for v in shape.split("x"))
             w = torch.randn(n, k) * 0.02
             kinds: dict[str, tuple[int, Callable[[torch.Tensor, int], torch.Tensor]]] = {}
-            packed, packed_k = pack_native(w.to(torch.bfloat16))
-            copies = [
-                LinearCpu(lib, packed.clone(), packed_k, (n, k), None)
-                for _ in range(_copies(n * k * 2))
-            ]
+            if args.bf16 == "dense":
+                dense = pack_dense(lib, w.to(torch.bfloat16))
+                copies = [
+                    functools.partial(linear_bf16_dense, lib, packed=dense.clone(),
+                                      out_features=n, bias=None)
+                    for _ in range(_copies(n * k * 2))
+                ]  # fmt: skip
+            else:
+                packed, packed_k = pack_native(w.to(torch.bfloat16))
+                copies = [
+                    LinearCpu(lib, packed.clone(), packed_k, (n, k), None)
+                    for _ in range(_copies(n * k * 2))
+                ]
             kinds["bf16"] = (n * k * 2, _rotating(copies))
             for qtype in formats:
                 if qtype in quant_formats.LEGACY:
