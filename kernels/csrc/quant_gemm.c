@@ -136,31 +136,7 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     }
 }
 
-/* Weight row w (nb blocks) unpacked: its u into u (K bytes), its d_s and m_s into column
- * `col` of the panel's sc and mn ([S][PANEL]). One function per format, so that each
- * unpack_block loop is compiled (and vectorized) for its format. */
-#define UNPACK_ROW_FN(f)                                                                    \
-    static void unpack_row_##f(const uint8_t *restrict w, int64_t nb, uint8_t *restrict u,   \
-                               float *restrict sc, float *restrict mn, int col) {           \
-        const struct gemm_fmt fi = FMT[f];                                                  \
-        const int subs = fi.values / fi.sub;                                                \
-        float s[16], m[16];                                                                 \
-        for (int64_t i = 0; i < nb; i++) {                                                  \
-            unpack_block(f, w + i * fi.bytes, u + i * fi.values, s, m);                     \
-            for (int t = 0; t < subs; t++) {                                                \
-                sc[(i * subs + t) * PANEL + col] = s[t];                                    \
-                if (fi.has_min) mn[(i * subs + t) * PANEL + col] = m[t];                    \
-            }                                                                               \
-        }                                                                                   \
-    }
-UNPACK_ROW_FN(0)
-UNPACK_ROW_FN(1)
-UNPACK_ROW_FN(2)
-UNPACK_ROW_FN(3)
-UNPACK_ROW_FN(4)
-UNPACK_ROW_FN(5)
-UNPACK_ROW_FN(6)
-UNPACK_ROW_FN(7)
+GEMM_UNPACK_ROWS
 
 /* The 8-row layouts (quant_r8.c) hold a group of 8 weight rows' values in steps of 64 bytes,
  * 64-bit lane r of a step being row r's 8 consecutive values. r8_steps gives the 4 steps of
@@ -334,20 +310,6 @@ static void r8_scales(int fmt, const uint8_t *restrict w, int64_t g, int64_t nb,
     }
 }
 
-static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
-                       int col) {
-    switch (fmt) {
-    case 0: unpack_row_0(w, nb, u, sc, mn, col); break;
-    case 1: unpack_row_1(w, nb, u, sc, mn, col); break;
-    case 2: unpack_row_2(w, nb, u, sc, mn, col); break;
-    case 3: unpack_row_3(w, nb, u, sc, mn, col); break;
-    case 4: unpack_row_4(w, nb, u, sc, mn, col); break;
-    case 5: unpack_row_5(w, nb, u, sc, mn, col); break;
-    case 6: unpack_row_6(w, nb, u, sc, mn, col); break;
-    default: unpack_row_7(w, nb, u, sc, mn, col); break;
-    }
-}
-
 /* 16 rows of u (row stride K) by 16 values from k into the panel: group g of 4 values of
  * row i goes to bytes 4 i of dst + g * GROUP (dst: the panel's group k / 4, plus 64 for its
  * second half of rows). A 16 x 4 transpose of dwords: lane L of z[i] holds row 4 L + i. */
@@ -482,19 +444,13 @@ static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commi
     const struct gemm_job *j = ctx;
     const int fmt = j->fmt, r8 = fmt >= AE_QUANT_Q4_K_R8;
     const struct gemm_fmt fi = FMT[fmt];
-    const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb, row_bytes = nb * fi.bytes;
+    const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb;
     const int64_t kc_max = K < KC ? K : KC, m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
-    /* u: a chunk of the panel's rows unpacked (not for the 8-row layouts); the chunk in the
-     * panel's layout; its d_s and m_s; the sums of every row of x for the panel; the bias */
-    const size_t u_bytes = r8 ? 0 : (size_t)(PANEL * kc_max);
-    const size_t p_bytes = (size_t)(kc_max / 4 * GROUP);
-    const size_t f_bytes = (size_t)(kc_max / fi.sub * PANEL) * 4;
-    const size_t bytes = u_bytes + p_bytes + 2 * f_bytes + (size_t)(m_pad + 1) * PANEL * 4;
-    char *buf = (char *)ae_thread_scratch(bytes / 4 + 16); /* 64-byte aligned below */
-    buf += (64 - (uintptr_t)buf % 64) % 64;
-    uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
-    float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + kc_max / fi.sub * PANEL;
-    float *res = mn + kc_max / fi.sub * PANEL, *bias_row = res + m_pad * PANEL;
+    /* u: not for the 8-row layouts; the panel: 4 values of its 32 rows per GROUP */
+    const struct gemm_scratch b = gemm_scratch(j, r8 ? 0 : (size_t)(PANEL * kc_max),
+                                               (size_t)(kc_max / 4 * GROUP), m_pad);
+    uint8_t *u = b.u, *panel = b.panel;
+    float *sc = b.sc, *mn = b.mn, *res = b.res;
     const uint8_t *w = j->w;
     const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -515,16 +471,7 @@ static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commi
                 r8_pair_any(fmt, w, gr[0], gr[1], nb, k0 / 32, kc / 32, panel + 64 * half);
             }
         } else {
-            for (int c = 0; c < PANEL; c++) {
-                if (c < cols) {
-                    const uint8_t *row = w + (n0 + c) * row_bytes;
-                    unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values, u + c * kc,
-                               sc, mn, c);
-                } else { /* past N: zero weights, zero scales */
-                    memset(u + c * kc, 0, (size_t)kc);
-                    for (int64_t t = 0; t < subs; t++) sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
-                }
-            }
+            gemm_unpack_chunk(unpack_row, j, n0, cols, k0, kc, u, sc, mn);
             for (int half = 0; half < 2; half++)
                 for (int64_t k = 0; k < kc; k += 16)
                     transpose_16(u + half * 16 * kc + k, kc, panel + k / 4 * GROUP + 64 * half);
@@ -544,7 +491,7 @@ static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commi
         }
     }
     if (!ae_commit_begin(commit)) return; /* another thread committed this panel */
-    ae_store_rows(res, PANEL, M, cols, j->bias, bias_row, j->dt, j->out, j->o_st, n0);
+    ae_store_rows(res, PANEL, M, cols, j->bias, b.bias_row, j->dt, j->out, j->o_st, n0);
     ae_commit_end(commit);
 }
 

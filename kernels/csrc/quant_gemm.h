@@ -9,8 +9,10 @@
 #define AE_QUANT_GEMM_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "ae_kernels.h"
+#include "linear.h"
 #include "pool.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -82,6 +84,85 @@ static inline void gemm_next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t
     pf->per = kc / fi.values * run_bytes / 64;
     pf->from = 0;
     pf->to = runs * pf->per;
+}
+
+/* A panel item's scratch, the thread's (linear.c's ae_thread_scratch), 64-byte aligned: u, a
+ * chunk of the panel's rows unpacked (u_bytes; none for the 8-row layouts); panel, the chunk
+ * in the GEMM's layout (p_bytes); sc and mn, its d_s and m_s ([GEMM_KC / sub][GEMM_PANEL]);
+ * res, the sums of every row of x for the panel (m_pad rows of GEMM_PANEL); bias_row,
+ * GEMM_PANEL floats. */
+struct gemm_scratch {
+    uint8_t *u, *panel;
+    float *sc, *mn, *res, *bias_row;
+};
+static inline struct gemm_scratch gemm_scratch(const struct gemm_job *j, size_t u_bytes,
+                                               size_t p_bytes, int64_t m_pad) {
+    const int64_t kc_max = j->K < GEMM_KC ? j->K : GEMM_KC;
+    const int64_t f = kc_max / GEMM_FMT[j->fmt].sub * GEMM_PANEL; /* floats of sc and of mn */
+    const size_t bytes = u_bytes + p_bytes + (size_t)(2 * f + (m_pad + 1) * GEMM_PANEL) * 4;
+    char *buf = (char *)ae_thread_scratch(bytes / 4 + 16);
+    buf += (64 - (uintptr_t)buf % 64) % 64;
+    struct gemm_scratch s;
+    s.u = (uint8_t *)buf;
+    s.panel = s.u + u_bytes;
+    s.sc = (float *)(buf + u_bytes + p_bytes);
+    s.mn = s.sc + f;
+    s.res = s.mn + f;
+    s.bias_row = s.res + m_pad * GEMM_PANEL;
+    return s;
+}
+
+/* Weight row w (nb blocks of format fmt) unpacked: its u into u, its d_s and m_s into column
+ * `col` of the panel's sc and mn ([S][GEMM_PANEL]). */
+typedef void (*gemm_unpack_fn)(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc,
+                               float *mn, int col);
+
+/* unpack_row_0 .. unpack_row_7 and unpack_row (a gemm_unpack_fn) over the including file's
+ * unpack_block(fmt, block, u, d_s, m_s): one function per format, so that each unpack_block
+ * loop is compiled (and vectorized) for its format. */
+#define GEMM_UNPACK_ROW_FN(f)                                                               \
+    static void unpack_row_##f(const uint8_t *restrict w, int64_t nb, uint8_t *restrict u,   \
+                               float *restrict sc, float *restrict mn, int col) {           \
+        const struct gemm_fmt fi = GEMM_FMT[f];                                             \
+        const int subs = fi.values / fi.sub;                                                \
+        float s[16], m[16];                                                                 \
+        for (int64_t i = 0; i < nb; i++) {                                                  \
+            unpack_block(f, w + i * fi.bytes, u + i * fi.values, s, m);                     \
+            for (int t = 0; t < subs; t++) {                                                \
+                sc[(i * subs + t) * GEMM_PANEL + col] = s[t];                               \
+                if (fi.has_min) mn[(i * subs + t) * GEMM_PANEL + col] = m[t];               \
+            }                                                                               \
+        }                                                                                   \
+    }
+#define GEMM_UNPACK_ROWS                                                                    \
+    GEMM_UNPACK_ROW_FN(0) GEMM_UNPACK_ROW_FN(1) GEMM_UNPACK_ROW_FN(2) GEMM_UNPACK_ROW_FN(3)  \
+    GEMM_UNPACK_ROW_FN(4) GEMM_UNPACK_ROW_FN(5) GEMM_UNPACK_ROW_FN(6) GEMM_UNPACK_ROW_FN(7)  \
+    static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc,     \
+                           float *mn, int col) {                                            \
+        static void (*const fns[8])(const uint8_t *, int64_t, uint8_t *, float *, float *,   \
+                                    int) = {unpack_row_0, unpack_row_1, unpack_row_2,        \
+                                            unpack_row_3, unpack_row_4, unpack_row_5,        \
+                                            unpack_row_6, unpack_row_7};                     \
+        fns[fmt](w, nb, u, sc, mn, col);                                                    \
+    }
+
+/* Values k0 .. k0 + kc of the panel's weight rows n0 .. n0 + cols - 1 (the file layouts),
+ * row c's u at u + c * kc and its d_s / m_s in column c of sc / mn; rows from cols to
+ * GEMM_PANEL zero (weights past N). */
+static inline void gemm_unpack_chunk(gemm_unpack_fn unpack, const struct gemm_job *j, int64_t n0,
+                                     int64_t cols, int64_t k0, int64_t kc, uint8_t *u,
+                                     float *sc, float *mn) {
+    const struct gemm_fmt fi = GEMM_FMT[j->fmt];
+    const int64_t row_bytes = j->nb * fi.bytes, subs = kc / fi.sub;
+    const uint8_t *w = (const uint8_t *)j->w + n0 * row_bytes + k0 / fi.values * fi.bytes;
+    for (int c = 0; c < GEMM_PANEL; c++) {
+        if (c < cols) {
+            unpack(j->fmt, w + c * row_bytes, kc / fi.values, u + c * kc, sc, mn, c);
+            continue;
+        }
+        memset(u + c * kc, 0, (size_t)kc);
+        for (int64_t t = 0; t < subs; t++) sc[t * GEMM_PANEL + c] = mn[t * GEMM_PANEL + c] = 0;
+    }
 }
 
 /* Panel p of the job on AVX2 (quant_gemm_avx2.c): an ae_pool_fn. Formats 0-7 only. */

@@ -137,44 +137,7 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     }
 }
 
-/* Weight row w (nb blocks) unpacked: its u into u, its d_s and m_s into column `col` of the
- * panel's sc and mn ([S][PANEL]). One function per format (unpack_block compiled for it). */
-#define UNPACK_ROW_FN(f)                                                                    \
-    static void unpack_row_##f(const uint8_t *restrict w, int64_t nb, uint8_t *restrict u,   \
-                               float *restrict sc, float *restrict mn, int col) {           \
-        const struct gemm_fmt fi = FMT[f];                                                  \
-        const int subs = fi.values / fi.sub;                                                \
-        float s[16], m[16];                                                                 \
-        for (int64_t i = 0; i < nb; i++) {                                                  \
-            unpack_block(f, w + i * fi.bytes, u + i * fi.values, s, m);                     \
-            for (int t = 0; t < subs; t++) {                                                \
-                sc[(i * subs + t) * PANEL + col] = s[t];                                    \
-                if (fi.has_min) mn[(i * subs + t) * PANEL + col] = m[t];                    \
-            }                                                                               \
-        }                                                                                   \
-    }
-UNPACK_ROW_FN(0)
-UNPACK_ROW_FN(1)
-UNPACK_ROW_FN(2)
-UNPACK_ROW_FN(3)
-UNPACK_ROW_FN(4)
-UNPACK_ROW_FN(5)
-UNPACK_ROW_FN(6)
-UNPACK_ROW_FN(7)
-
-static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc, float *mn,
-                       int col) {
-    switch (fmt) {
-    case 0: unpack_row_0(w, nb, u, sc, mn, col); break;
-    case 1: unpack_row_1(w, nb, u, sc, mn, col); break;
-    case 2: unpack_row_2(w, nb, u, sc, mn, col); break;
-    case 3: unpack_row_3(w, nb, u, sc, mn, col); break;
-    case 4: unpack_row_4(w, nb, u, sc, mn, col); break;
-    case 5: unpack_row_5(w, nb, u, sc, mn, col); break;
-    case 6: unpack_row_6(w, nb, u, sc, mn, col); break;
-    default: unpack_row_7(w, nb, u, sc, mn, col); break;
-    }
-}
+GEMM_UNPACK_ROWS
 
 /* 8 rows of u (row stride K) by 32 values from k into the half panel: dword g of row i goes
  * to bytes 4 i of dst + g * GROUP (dst: the half's group k / 4, plus 32 for its rows 8-15).
@@ -308,34 +271,19 @@ static tile_fn tile_for(int R, int fmt) {
 void ae_gemm_panel_avx2(const void *ctx, int64_t p, const struct ae_commit *commit) {
     const struct gemm_job *j = ctx;
     const int fmt = j->fmt;
-    const struct gemm_fmt fi = FMT[fmt];
-    const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb, row_bytes = nb * fi.bytes;
+    const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb;
     const int64_t kc_max = K < KC ? K : KC, m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
-    /* a chunk of the panel's rows unpacked; the chunk in the panel's layout (two halves);
-     * its d_s and m_s; the sums of every row of x for the panel; the bias */
-    const size_t u_bytes = (size_t)(PANEL * kc_max), p_bytes = u_bytes;
-    const size_t f_bytes = (size_t)(kc_max / fi.sub * PANEL) * 4;
-    const size_t bytes = u_bytes + p_bytes + 2 * f_bytes + (size_t)(m_pad + 1) * PANEL * 4;
-    char *buf = (char *)ae_thread_scratch(bytes / 4 + 16); /* 64-byte aligned below */
-    buf += (64 - (uintptr_t)buf % 64) % 64;
-    uint8_t *u = (uint8_t *)buf, *panel = (uint8_t *)buf + u_bytes;
-    float *sc = (float *)(buf + u_bytes + p_bytes), *mn = sc + kc_max / fi.sub * PANEL;
-    float *res = mn + kc_max / fi.sub * PANEL, *bias_row = res + m_pad * PANEL;
+    /* the panel: two halves of 16 rows, as many bytes as u */
+    const struct gemm_scratch b = gemm_scratch(j, (size_t)(PANEL * kc_max),
+                                               (size_t)(PANEL * kc_max), m_pad);
+    uint8_t *u = b.u, *panel = b.panel;
+    float *sc = b.sc, *mn = b.mn, *res = b.res;
     const uint8_t *w = j->w;
     const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = K - k0 < KC ? K - k0 : KC, subs = kc / fi.sub;
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int64_t half_bytes = kc / 4 * GROUP;
-        for (int c = 0; c < PANEL; c++) {
-            if (c < cols) {
-                const uint8_t *row = w + (n0 + c) * row_bytes;
-                unpack_row(fmt, row + k0 / fi.values * fi.bytes, kc / fi.values, u + c * kc, sc,
-                           mn, c);
-            } else { /* past N: zero weights, zero scales */
-                memset(u + c * kc, 0, (size_t)kc);
-                for (int64_t t = 0; t < subs; t++) sc[t * PANEL + c] = mn[t * PANEL + c] = 0;
-            }
-        }
+        gemm_unpack_chunk(unpack_row, j, n0, cols, k0, kc, u, sc, mn);
         for (int half = 0; half < 2 && HALF * half < cols; half++)
             for (int e = 0; e < 2; e++)
                 for (int64_t k = 0; k < kc; k += 32)
@@ -361,7 +309,7 @@ void ae_gemm_panel_avx2(const void *ctx, int64_t p, const struct ae_commit *comm
             }
     }
     if (!ae_commit_begin(commit)) return; /* another thread committed this panel */
-    ae_store_rows(res, PANEL, M, cols, j->bias, bias_row, j->dt, j->out, j->o_st, n0);
+    ae_store_rows(res, PANEL, M, cols, j->bias, b.bias_row, j->dt, j->out, j->o_st, n0);
     ae_commit_end(commit);
 }
 

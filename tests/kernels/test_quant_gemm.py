@@ -95,15 +95,7 @@ def test_many_rows_take_the_gemm_and_fewer_the_tiles(qtype: str) -> None:
     rows = quant_cpu.gemm_min_rows(qtype)
     # one row stays a matrix-vector product; the file layouts of the K-quants unpack slower
     assert rows == (9 if qtype == "q4_k" else 6)
-    generator = torch.Generator().manual_seed(3)
-    qweight = random_blocks(qtype, 40, 512, generator)
-    for m in (rows - 1, rows, 3 * rows):
-        x = torch.randn(m, 512, generator=generator)
-        exact, magnitude = _exact(x, qweight, qtype, None)
-        out = linear_quant_cpu(x, qweight, qtype)
-        assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude)
-        if m >= rows:
-            assert torch.equal(out, quant_gemm_cpu(x, qweight, qtype))
+    _check_rows_around(qtype, rows, 40, seed=3)
     quant_cpu.set_path("avx2")  # its GEMM reads the file layouts only
     assert quant_cpu.gemm_min_rows(qtype) == (8 if qtype == "q4_k" else 0)
     quant_cpu.set_path("scalar")
@@ -118,8 +110,14 @@ def test_avx2_takes_its_gemm_from_its_rows(qtype: str) -> None:
     quant_cpu.set_path("avx2")
     rows = quant_cpu.gemm_min_rows(qtype)
     assert rows == {"q8_0": 6, "q4_0": 4, "q6_k": 12}[qtype]
-    generator = torch.Generator().manual_seed(4)
-    qweight = random_blocks(qtype, 48, 512, generator)
+    _check_rows_around(qtype, rows, 48, seed=4)
+
+
+def _check_rows_around(qtype: str, rows: int, n: int, seed: int) -> None:
+    """linear_quant_cpu at rows - 1, rows and more rows matches the exact product, and from
+    `rows` on equals quant_gemm_cpu (the panel GEMM of the path in effect)."""
+    generator = torch.Generator().manual_seed(seed)
+    qweight = random_blocks(qtype, n, 512, generator)
     for m in (rows - 1, rows, 2 * rows + 1):
         x = torch.randn(m, 512, generator=generator)
         exact, magnitude = _exact(x, qweight, qtype, None)
