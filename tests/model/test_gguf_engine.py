@@ -190,20 +190,19 @@ def test_greedy_tokens_follow_the_dequantized_reference(
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_long_prefill_gives_its_routes_reference_logprobs(tmp_path: Path, qtype: Q) -> None:
-    # One step of at least DEQUANT_MIN_ROWS tokens. Without AVX512-VNNI (the AVX2 path stands
-    # in) the projections multiply the dequantized weight with the float GEMM: the prompt's
-    # logprobs are the unrounded fp32 reference's up to the order of sums. With it every
-    # projection runs the int8 panel GEMM, its input rows rounded to int8 blocks as in short
-    # steps: close to the reference that rounds them too, where a sum's order can move a
-    # value across a rounding step of its block (so 1e-2, not 1e-4).
+    # One step of at least DEQUANT_MIN_ROWS tokens. On the scalar path (no panel GEMM) the
+    # projections multiply the dequantized weight with the float GEMM: the prompt's logprobs
+    # are the unrounded fp32 reference's up to the order of sums. On the AVX512-VNNI and AVX2
+    # paths every projection runs an int8 panel GEMM, its input rows rounded to int8 blocks
+    # as in short steps: close to the reference that rounds them too, where a sum's order can
+    # move a value across a rounding step of its block (so 1e-2, not 1e-4).
     from asyncengine.kernels import quant_cpu
     from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS
 
     tiny = write_tiny_gguf(tmp_path / "long.gguf", "llama", weight_type=qtype, seed=5,
                            shapes=K_SHAPES)  # fmt: skip
     prompt = [3 + (11 * i) % 200 for i in range(DEQUANT_MIN_ROWS + 16)]
-    routes = [(path, path == "avx512_vnni") for path in quant_cpu.available_paths()
-              if path != "scalar"]  # fmt: skip
+    routes = [(path, path != "scalar") for path in quant_cpu.available_paths()]
     try:
         for path, rounded in routes:
             quant_cpu.set_path(path)
