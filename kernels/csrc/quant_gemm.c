@@ -414,8 +414,9 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int has_min, con
  * each. */
 #define TILE_FN(R, SB, MIN, KQ)                                                             \
     static __attribute__((noinline)) void tile_##R##_##SB##_##MIN##_##KQ(                   \
-        const uint8_t *p, const float *sc, const float *mn, const struct gemm_rows *x, int64_t m, \
-        int64_t k0, int64_t kc, int first, float *res, const struct gemm_pf *pf) {               \
+        const uint8_t *p, const float *sc, const float *mn, const struct gemm_rows *x,      \
+        int64_t m, int64_t k0, int64_t kc, int first, float *res,                           \
+        const struct gemm_pf *pf) {                                                         \
         tile(R, SB, MIN, KQ, p, sc, mn, x, m, k0, kc, first, res, pf);                      \
     }
 #define TILE_FNS(SB, MIN, KQ) TILE_FN(1, SB, MIN, KQ) TILE_FN(2, SB, MIN, KQ) \

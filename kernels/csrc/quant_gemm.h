@@ -70,8 +70,8 @@ struct gemm_pf {
     int64_t per, from, to;
 };
 
-static inline void gemm_next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t nb, int64_t p, int64_t k0,
-                       int64_t K, struct gemm_pf *pf) {
+static inline void gemm_next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t nb, int64_t p,
+                                   int64_t k0, int64_t K, struct gemm_pf *pf) {
     const struct gemm_fmt fi = GEMM_FMT[fmt];
     const int rows = fmt >= AE_QUANT_Q4_K_R8 ? 8 : 1; /* rows per run */
     const int64_t run_bytes = (int64_t)fi.bytes * rows;

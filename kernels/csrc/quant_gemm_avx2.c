@@ -92,7 +92,8 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
         for (int c = 0; c < 4; c++) { /* values 64c + l: qs[32c + l]'s low nibble, + 32: high */
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            __m256i lo = _mm256_and_si256(q, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             if (fmt == 6) { /* plus 16 where bit 2c (2c + 1) of qh[l] is set */
                 const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
                 const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
@@ -156,7 +157,8 @@ static inline void transpose_8(const uint8_t *u, int64_t K, uint8_t *dst) {
         s[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]); /* 3 | 7 */
     }
     for (int g = 0; g < 4; g++) {
-        _mm256_store_si256((__m256i *)(dst + g * GROUP), _mm256_permute2x128_si256(s[g], s[g + 4], 0x20));
+        _mm256_store_si256((__m256i *)(dst + g * GROUP),
+                           _mm256_permute2x128_si256(s[g], s[g + 4], 0x20));
         _mm256_store_si256((__m256i *)(dst + (g + 4) * GROUP),
                            _mm256_permute2x128_si256(s[g], s[g + 4], 0x31));
     }
@@ -221,8 +223,10 @@ static ALWAYS_INLINE void tile(const int R, const int SB, const int H, const int
         const __m256 d0 = _mm256_loadu_ps(sc + s * PANEL), d1 = _mm256_loadu_ps(sc + s * PANEL + 8);
         for (int r = 0; r < R; r++) {
             const __m256 db = _mm256_set1_ps(da[r * nb + s * SB / 32]);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][0]), _mm256_mul_ps(d0, db), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][1]), _mm256_mul_ps(d1, db), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][0]), _mm256_mul_ps(d0, db),
+                                        acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][1]), _mm256_mul_ps(d1, db),
+                                        acc[r][1]);
         }
         if (has_min) {
             const __m256 m0 = _mm256_loadu_ps(mn + s * PANEL);

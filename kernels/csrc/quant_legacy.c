@@ -59,6 +59,7 @@
 #include "ae_vec.h"
 #include "linear.h"
 #include "pool.h"
+#include "quant_gemm.h"
 
 #define QK 32          /* weights per block */
 #define ROWS_PER_ITEM 16
@@ -850,7 +851,7 @@ int ae_quant_gemm_min_rows(int fmt) {
     if (path == PATH_VNNI)
         return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
 #endif
-#if defined(HAVE_AVX2) && defined(__F16C__)
+#ifdef HAVE_GEMM_AVX2
     /* AVX2's (quant_gemm_avx2.c) against the AVX2 tiles, Llama-3.2-1B's 8192 x 2048, the
      * weights from memory, Zen 4 on its AVX2 path: level at 2-4 rows for the 4- and 5-bit
      * legacy formats, 6 for Q8_0, 6-8 for Q4_K and Q5_K, 12 for Q6_K (the dearest to
