@@ -87,17 +87,21 @@ def test_products_match_the_exact_product(path: str, qtype: str, dtype: torch.dt
         assert torch.all(err <= 2.0**-16 * magnitude + rounding), (m, n, k, err.max())
 
 
+# The VNNI path's thresholds: one row stays a matrix-vector product; the file layouts of the
+# K-quants unpack slower; the 8-row K-quant tiles scale each row's sub-blocks themselves.
+_VNNI_GEMM_ROWS = {"q4_k": 9, "q8_0_r8": 6, "q4_k_r8": 4, "q6_k_r8": 3}
+
+
 @vnni
-@pytest.mark.parametrize("qtype", ["q4_k", "q8_0_r8"])
+@pytest.mark.parametrize("qtype", sorted(_VNNI_GEMM_ROWS))
 def test_many_rows_take_the_gemm_and_fewer_the_tiles(qtype: str) -> None:
     """linear_quant_cpu runs the panel GEMM from gemm_min_rows(qtype) rows on the VNNI path
     (the same numbers, up to the order of the fp32 sums), never on another path."""
     rows = quant_cpu.gemm_min_rows(qtype)
-    # one row stays a matrix-vector product; the file layouts of the K-quants unpack slower
-    assert rows == (9 if qtype == "q4_k" else 6)
+    assert rows == _VNNI_GEMM_ROWS[qtype]
     _check_rows_around(qtype, rows, 40, seed=3)
     quant_cpu.set_path("avx2")  # its GEMM reads the file layouts only
-    assert quant_cpu.gemm_min_rows(qtype) == (8 if qtype == "q4_k" else 0)
+    assert quant_cpu.gemm_min_rows(qtype) == (8 if qtype == "q4_k" else 0)  # no 8-row layouts
     quant_cpu.set_path("scalar")
     assert quant_cpu.gemm_min_rows(qtype) == 0
 
