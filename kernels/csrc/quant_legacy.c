@@ -842,19 +842,17 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
  * faster than the tiles on Llama-3.2-1B's and SmolLM2's shapes (2 Zen 4 cores). The 8-row
  * layouts of 32-value blocks and the legacy formats: 0.73-1.00x the tiles' time at 6 rows,
  * 0.61-0.97x at 8, up to 1.75x slower at 4 on SmolLM2's narrow weights. Q4_K_R8 and Q6_K_R8,
- * whose tiles (quant_r8.c) take each row's sub-block scales with a vpmulld per 16 values, on
- * Llama-3.2-1B's projections, tiles against GEMM alternating in one process: Q6_K_R8
- * 1.01-1.25x the GEMM's time at 3 rows, 1.26-1.45x at 4; Q4_K_R8 0.82-1.07x at 3, 1.06-1.28x
- * at 4 (its 128k-row lm_head 0.91x: Q4_K_M files hold it in Q6_K). The K-quants' file
- * layouts (Q5_K; Q4_K and Q6_K where they could not be interleaved) unpack a row at a time:
+ * on Llama-3.2-1B's projections, tiles against GEMM alternating in one process: the GEMM
+ * 1.07-1.30x faster at 4 rows for Q6_K_R8 (level at 3), 0.99-1.26x for Q4_K_R8 (0.71-1.14x
+ * at 3; its 128k-row lm_head 0.72x at 4, but Q4_K_M files hold that in Q6_K). The K-quants'
+ * file layouts (Q5_K; Q4_K and Q6_K where they could not be interleaved) unpack a row at a time:
  * 1.08-1.35x slower than the tiles at 8 rows, level at 9, 0.79-0.83x at 16. */
 int ae_quant_gemm_min_rows(int fmt) {
     const int path = current_path();
     (void)fmt, (void)path;
 #ifdef HAVE_VNNI
     if (path == PATH_VNNI) {
-        if (fmt == AE_QUANT_Q6_K_R8) return 3;
-        if (fmt == AE_QUANT_Q4_K_R8) return 4;
+        if (fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q6_K_R8) return 4;
         return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
     }
 #endif
