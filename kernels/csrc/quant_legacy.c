@@ -838,22 +838,22 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
 
 /* From how many rows of x products of format fmt run on the panel GEMM of the path
  * (quant_gemm.c, quant_gemm_avx2.c; 0: never), on the work pool up to AE_POOL_MAX_ROWS as
- * the tiles here. On the VNNI path, where it measured
- * faster than the tiles on Llama-3.2-1B's and SmolLM2's shapes (2 Zen 4 cores). The 8-row
- * layouts of 32-value blocks and the legacy formats: 0.73-1.00x the tiles' time at 6 rows,
- * 0.61-0.97x at 8, up to 1.75x slower at 4 on SmolLM2's narrow weights. Q4_K_R8 and Q6_K_R8,
- * on Llama-3.2-1B's projections, tiles against GEMM alternating in one process: the GEMM
- * 1.07-1.30x faster at 4 rows for Q6_K_R8 (level at 3), 0.99-1.26x for Q4_K_R8 (0.71-1.14x
- * at 3; its 128k-row lm_head 0.72x at 4, but Q4_K_M files hold that in Q6_K). The K-quants'
- * file layouts (Q5_K; Q4_K and Q6_K where they could not be interleaved) unpack a row at a time:
- * 1.08-1.35x slower than the tiles at 8 rows, level at 9, 0.79-0.83x at 16. */
+ * the tiles here. On the VNNI path, where it measured faster than the tiles (2 Zen 4 cores,
+ * tiles against GEMM alternating in one process, weights from memory). The 8-row layouts of
+ * 32-value blocks and the legacy formats, on SmolLM2's and Qwen2.5-0.5B's projections and
+ * lm_heads: Q5_0_R8 1.02-1.17x the GEMM's time at 6 rows, Q8_0_R8 and Q4_0_R8 0.75-1.15x
+ * (the tiles 0.67-0.95x up to 5). Q4_K_R8 and Q6_K_R8, whose tiles prefetch (r8_prefetch),
+ * on Llama-3.2-1B's projections: 0.72-0.96x and 0.89-1.05x at 6 and 8 rows. The K-quants'
+ * file layouts (Q5_K; Q4_K and Q6_K where they could not be interleaved) unpack a row at a
+ * time: 1.08-1.35x slower than the tiles at 8 rows, level at 9, 0.79-0.83x at 16. */
 int ae_quant_gemm_min_rows(int fmt) {
     const int path = current_path();
     (void)fmt, (void)path;
 #ifdef HAVE_VNNI
-    if (path == PATH_VNNI) {
-        if (fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q6_K_R8) return 4;
-        return fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8 ? 9 : 6; /* Q4_K, Q5_K, Q6_K: 9 */
+    if (path == PATH_VNNI) { /* the K-quants (Q4_K, Q5_K, Q6_K, Q4_K_R8, Q6_K_R8): 9 */
+        const int kquant = (fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8) ||
+                           fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q6_K_R8;
+        return kquant ? 9 : 6;
     }
 #endif
 #ifdef HAVE_GEMM_AVX2

@@ -33,8 +33,9 @@
  * terms sum(m_j * bs_j) of the 8 rows in two vpmaddwd over m in int16 pairs (sub-blocks 2jp,
  * 2jp + 1) against bs, the sub-block sums of a, in matching pairs. Every integer sum is exact:
  * the numbers differ from the Q4_K tile's by the order of the fp32 sums only. No software
- * prefetch: with 8 rows' bytes in one stream the hardware's keeps up (a prefetch 4 or 8 KB
- * ahead was 2-4% slower on the layers of a 1B model's Q4_K_M file, Zen 4, 2 threads).
+ * prefetch at one row: with 8 rows' bytes in one stream the hardware's keeps up (a prefetch 4
+ * or 8 KB ahead was 2-4% slower on the layers of a 1B model's Q4_K_M file, Zen 4, 2 threads);
+ * tiles of several rows prefetch (r8_prefetch).
  *
  * Q8_0_R8 (format 9), the same for Q8_0: rows 8g..8g+7's block b (32 values) is one group
  * block of Q8R8_BYTES = 8 x 34 bytes at w + (g * nb + b) * 272 (nb = K / 32):
@@ -82,6 +83,8 @@
 #define Q6K_BYTES 210 /* a Q6_K super-block */
 #define GROUPS_PER_ITEM 2 /* 16 weight rows an item (or more: see linear_r8_vnni) */
 #define MAX_R 4           /* rows of x per tile */
+/* Tiles of several rows prefetch the weights this far ahead (into L2; see r8_prefetch) */
+#define R8_PREFETCH 8192
 #define PATH_VNNI 2       /* quant_legacy.c's path code */
 
 /* ---- the layout, both ways ---- */
@@ -255,6 +258,18 @@ static void row_offsets_q6k(const int8_t *a, const float *da32, int64_t K, int32
 
 /* ---- the tile: R rows of x against one group of 8 weight rows ---- */
 
+/* The block of `bytes` at o + R8_PREFETCH into L2, for tiles of R > 1 rows. One row's tile
+ * streams its weights fast enough for the hardware prefetchers; with several rows each
+ * row's activations and sums are streams of their own (at K = 8192 and 4 rows they no
+ * longer fit L1), the weights arrived late, and from memory the tile ran at 2.2x its time
+ * from the cache (Q4_K_R8, 4 rows, one thread). With it, 2 threads from memory: 2-5 rows
+ * 0.50-0.83x the panel GEMM's time where they were 0.82-1.45x (Llama-3.2-1B's projections). */
+static ALWAYS_INLINE void r8_prefetch(const int R, const uint8_t *o, int64_t bytes) {
+    if (R > 1)
+        for (int64_t l = 0; l < bytes; l += 64)
+            _mm_prefetch((const char *)o + R8_PREFETCH + l, _MM_HINT_T1);
+}
+
 /* m's bytes from [j][r] to [jp][r][2]: byte 16jp + 2r + p from 8(2jp + p) + r, which is in
  * the same 128-bit lane (one vpshufb) */
 static const uint8_t MPERM[64] __attribute__((aligned(64))) = {
@@ -278,6 +293,7 @@ static ALWAYS_INLINE void tile_r8(const int R, const uint8_t *w, int64_t nsb,
     }
     for (int64_t b = 0; b < nsb; b++) {
         const uint8_t *o = w + b * Q4K_R8_BYTES;
+        r8_prefetch(R, o, Q4K_R8_BYTES);
         /* the 8 rows' scales, each byte twice (lanes 2r and 2r + 1 of a sub-block's sums),
          * stored and read back a sub-block at a time; the mins in int16 pairs */
         const __m512i A = _mm512_loadu_si512(o + 32), sc = _mm512_and_si512(A, m63);
@@ -374,6 +390,7 @@ static ALWAYS_INLINE void tile_r8_32(const int R, const int fmt, const uint8_t *
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *o = w + b * gb;
+        r8_prefetch(R, o, gb);
         /* d of row r in lanes 2r and 2r + 1 */
         const __m512 d16 = _mm512_permutexvar_ps(
             dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o))));
@@ -438,6 +455,7 @@ static ALWAYS_INLINE void tile_q6kr8(const int R, const uint8_t *w, int64_t nsb,
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; b++) {
         const uint8_t *o = w + b * Q6KR8_BYTES;
+        r8_prefetch(R, o, Q6KR8_BYTES);
         const __m512 d16 = _mm512_permutexvar_ps(
             dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o))));
         __m512i isum[MAX_R];
