@@ -7,14 +7,18 @@ land, the K-quants).
                                        [--repeats 30] [--path avx512_vnni|avx2|scalar]
                                        [--formats q4_0,q4_1] [--bf16 onednn|dense]
 
-Shapes are N x K (out x in). For each shape and row count it times one product of each kind
-in turn, interleaved (bf16, Q8_0, Q4_0, ..., bf16, ...), `--repeats` times, each call on the
-next of several copies of the weight (together over 96 MB, past the last-level cache), and
-prints one line per kind: the median ms, the weight bytes per ms as GB/s, and its speed-up
-over bf16 in this one run: the machine's bandwidth drifts between runs and under other load,
-so compare ratios. The legacy formats' weights come from `quantize_weight`, the others'
-(which no quantizer here writes) from `quant_formats.random_blocks`: the kernels' speed does
-not depend on the values.
+Shapes are N x K (out x in). For each shape and row count it times each kind in turn, in
+blocks (bf16 `--repeats` times, then Q8_0, ..., and the whole round three times), each call
+on the next of several copies of the weight (together over 96 MB, past the last-level
+cache), and prints one line per kind: the median ms, the weight bytes per ms as GB/s, and its
+speed-up over bf16 in this one run: the machine's bandwidth drifts between runs and under
+other load, so compare ratios. Not call by call: the bf16 kernels run on OpenMP teams (oneDNN
+or linear_dense_cpu), whose threads spin for a while after each call, and a quantized product
+of up to 8 rows, which runs on the kernels' work pool, then shared the cores with them: on
+an AVX2 machine's 4-row products that made Q8_0 look 0.53x bf16's speed where it is 0.97x.
+The first calls of each block are left out (warm-up). The legacy formats' weights come from
+`quantize_weight`, the others' (which no quantizer here writes) from
+`quant_formats.random_blocks`: the kernels' speed does not depend on the values.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch
 
 ROTATE_BYTES = 96 << 20  # the copies of each weight together: past a 32 MB L3
+ROUNDS = 3  # blocks of each kind's calls, in turn
+WARMUP = 3  # calls left out at the start of each block
 
 
 def main() -> int:
@@ -103,12 +109,14 @@ def main() -> int:
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 times: dict[str, list[float]] = {name: [] for name in kinds}
-                for i in range(args.repeats + 3):
+                block = -(-args.repeats // ROUNDS)
+                for _ in range(ROUNDS):
                     for name, (_, fn) in kinds.items():
-                        start = time.perf_counter()
-                        fn(x, i)
-                        if i >= 3:  # warm-up calls
-                            times[name].append((time.perf_counter() - start) * 1000)
+                        for i in range(block + WARMUP):
+                            start = time.perf_counter()
+                            fn(x, i)
+                            if i >= WARMUP:
+                                times[name].append((time.perf_counter() - start) * 1000)
                 med = {name: statistics.median(t) for name, t in times.items()}
                 for name, (nbytes, _) in kinds.items():
                     print(f"| {n}x{k} | {rows} | {name} | {med[name]:.3f} | "
