@@ -850,11 +850,8 @@ int ae_quant_gemm_min_rows(int fmt) {
     const int path = current_path();
     (void)fmt, (void)path;
 #ifdef HAVE_VNNI
-    if (path == PATH_VNNI) { /* the K-quants (Q4_K, Q5_K, Q6_K, Q4_K_R8, Q6_K_R8): 9 */
-        const int kquant = (fmt >= AE_QUANT_Q4_K && fmt < AE_QUANT_Q4_K_R8) ||
-                           fmt == AE_QUANT_Q4_K_R8 || fmt == AE_QUANT_Q6_K_R8;
-        return kquant ? 9 : 6;
-    }
+    if (path == PATH_VNNI) /* the K-quants (super-blocks of 256 values), interleaved or not: 9 */
+        return fmt >= 0 && fmt < AE_QUANT_FORMATS && GEMM_FMT[fmt].values == 256 ? 9 : 6;
 #endif
 #ifdef HAVE_GEMM_AVX2
     /* AVX2's (quant_gemm_avx2.c) against the AVX2 tiles, Llama-3.2-1B's 8192 x 2048, the

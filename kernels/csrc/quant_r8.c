@@ -1,10 +1,11 @@
 /*
  * Q4_K weights with every 8 rows interleaved (format 8, Q4_K_R8): the layout a one-row product
  * on AVX512-VNNI reads fastest, made at load from a GGUF file's Q4_K rows (ae_repack_r8) and
- * nowhere else; Q8_0, Q5_0 and Q4_0 have theirs (below). The same bytes as Q4_K, arranged so that 8 weight rows are one vector's
- * lanes: the scales of 8 rows decode in a few vector instructions instead of scalar code per
- * row, every activation vector is read once for 8 rows, and the sub-block scale is one
- * vpdpwssd per 8 rows instead of a permute and a vpdpwssd per row.
+ * nowhere else; Q8_0, Q5_0 and Q4_0 have theirs (below). The same bytes as Q4_K, arranged
+ * so that 8 weight rows are one vector's lanes: the scales of 8 rows decode in a few vector
+ * instructions instead of scalar code per row, every activation vector is read once for 8
+ * rows, and the sub-block scale is one vpdpwssd per 8 rows instead of a permute and a
+ * vpdpwssd per row.
  *
  * Measured (AMD Zen 4, one thread, 2048 x 2048 from cache, benchmarks/quant_compute.py,
  * 2026-11-28): 0.85-0.95 ns per 64 values against 1.52 for quant_kquants.c's one-row tile
@@ -28,10 +29,11 @@
  * every 64-bit lane adds 4 products into each of 16 int32 lanes (row r, half h); a sub-block's
  * 4 steps sum in two such vectors, whose sum (an int16: at most 16 x 15 x 127) one vpdpwssd
  * by the rows' sc (each twice, in the low int16 of its lane) adds into the super-block's
- * integer sum (a vpmulld and an add before: in process, one thread, 2048 x 2048 from cache,
- * 1.00 to 0.93 ns per 64 values at one row, 0.70 to 0.62 a row at two, 2026-11-29). Per super-block one conversion and one FMA by d * da; the min
- * terms sum(m_j * bs_j) of the 8 rows in two vpmaddwd over m in int16 pairs (sub-blocks 2jp,
- * 2jp + 1) against bs, the sub-block sums of a, in matching pairs. Every integer sum is exact:
+ * integer sum (a vpmulld and an add before: one thread, 2048 x 2048 from cache, 1.00 to 0.93
+ * ns per 64 values at one row, 0.70 to 0.62 a row at two, 2026-11-29). Per super-block one
+ * conversion and one FMA by d * da; the min terms sum(m_j * bs_j) of the 8 rows in two
+ * vpmaddwd over m in int16 pairs (sub-blocks 2jp, 2jp + 1) against bs, the sub-block sums of
+ * a, in matching pairs. Every integer sum is exact:
  * the numbers differ from the Q4_K tile's by the order of the fp32 sums only. No software
  * prefetch at one row: with 8 rows' bytes in one stream the hardware's keeps up (a prefetch 4
  * or 8 KB ahead was 2-4% slower on the layers of a 1B model's Q4_K_M file, Zen 4, 2 threads);
