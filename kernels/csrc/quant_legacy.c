@@ -854,11 +854,13 @@ int ae_quant_gemm_min_rows(int fmt) {
         return fmt >= 0 && fmt < AE_QUANT_FORMATS && GEMM_FMT[fmt].values == 256 ? 9 : 6;
 #endif
 #ifdef HAVE_GEMM_AVX2
-    /* AVX2's (quant_gemm_avx2.c) against the AVX2 tiles, Llama-3.2-1B's 8192 x 2048, the
-     * weights from memory, Zen 4 on its AVX2 path: level at 2-4 rows for the 4- and 5-bit
-     * legacy formats, 6 for Q8_0, 6-8 for Q4_K and Q5_K, 12 for Q6_K (the dearest to
-     * unpack); 1.5-2.8x faster at 64 rows. The 8-row layouts are the VNNI path's only. */
-    static const int avx2_rows[AE_QUANT_Q4_K_R8] = {6, 4, 4, 4, 4, 8, 8, 12};
+    /* AVX2's (quant_gemm_avx2.c) against the AVX2 tiles, Llama-3.2-1B's 8192 x 2048 and
+     * 2048 x 8192, the weights from memory, 2 threads of an AVX2-only Zen 1 (256-bit integer
+     * multiplies at half Zen 4's rate): level at 2-4 rows for the 4- and 5-bit legacy
+     * formats (Q4_0, Q5_0 1.16-1.25x faster on the GEMM at 4), 10-12 for Q8_0 (tiles
+     * 0.92-0.97x the GEMM's time at 6-8 rows), 6 for Q4_K and 7-8 for Q6_K (tiles
+     * 0.96-1.00x at 6, 1.04-1.10x slower at 8). The 8-row layouts are the VNNI path's only. */
+    static const int avx2_rows[AE_QUANT_Q4_K_R8] = {10, 4, 4, 4, 4, 7, 7, 8};
     if (path == PATH_AVX2 && fmt >= 0 && fmt < AE_QUANT_Q4_K_R8) return avx2_rows[fmt];
 #endif
     return 0;
