@@ -146,9 +146,9 @@ def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecor
         except ModelUnavailable as exc:
             print(f"skipping model {name}: {exc}", file=sys.stderr)
             continue
-        variants: list[tuple[str, list[str], Path | None]] = [
-            (f"{name}: {describe(name)}", engines, None)
-        ]
+        variants: list[tuple[str, list[str], Path | None]] = []
+        if not (quants and args.quant_only):
+            variants.append((f"{name}: {describe(name)}", engines, None))
         for quant in quants:
             try:
                 gguf = quantized_gguf(llamacpp.ensure_built(), folder, BENCH / "gguf" / name, quant)
@@ -162,16 +162,30 @@ def _measure(args: argparse.Namespace, argv: list[str]) -> tuple[record.RunRecor
                 label, name, folder, weights, variant_engines, modes, pythons, args,
                 results, per_round, failures,
             )  # fmt: skip
-    run = record.RunRecord(
-        results=results,
-        rounds=per_round,
+            if args.json:  # what is measured so far survives a run cut short
+                so_far = _record(results, per_round, date, kind, cpu, argv, args)
+                record.save(so_far, Path(args.json))
+    return _record(results, per_round, date, kind, cpu, argv, args), failures
+
+
+def _record(
+    results: list[PeerResult],
+    per_round: list[list[PeerResult]],
+    date: str,
+    kind: str,
+    cpu: str,
+    argv: list[str],
+    args: argparse.Namespace,
+) -> record.RunRecord:
+    return record.RunRecord(
+        results=list(results),
+        rounds=[list(r) for r in per_round],
         date=date,
         cpu=cpu,
         kind=kind,
         command=record.command_line(argv),
         repeats=args.repeats,
     )
-    return run, failures
 
 
 def _measure_model(
@@ -274,6 +288,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="Q8_0,Q4_K_M",
         help="also run asyncengine and llama.cpp on the same quantized GGUF files of each "
         "model (q8_0, q4_k_m), made by llama.cpp's tools",
+    )
+    parser.add_argument(
+        "--quant-only",
+        action="store_true",
+        help="with --quant, run the quantized files only (not the models' bf16 folders)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp's threads (-t)")  # fmt: skip
