@@ -2,7 +2,7 @@
 
     python -m benchmarks.peers [--model a|b|c|d|e ...] [--engines asyncengine,llama.cpp,...]
         [--modes offline,async,batched,serve] [--python ENGINE=PATH ...] [--repeats 3]
-        [--rounds 1] [--quant q8_0,q4_k_m] [--json run.json] [--plot-dir docs/img]
+        [--rounds 1] [--quant q8_0,q4_k_m [--quant-only]] [--json run.json] [--plot-dir docs/img]
         [--update-doc [DOC]]
     python -m benchmarks.peers --from-json run.json [--plot-dir ...] [--update-doc [DOC]]
 
@@ -20,17 +20,17 @@ modes in fresh processes:
   serve`) driven by one HTTP load generator (http_load.py) from this process: streamed
   /v1/completions, 1/16/64 streams.
 
-llama.cpp gets each model converted to GGUF bf16 by its own converter (llamacpp.py);
-`--llama-q8` adds a Q8_0 run, for information only. `--quant q8_0,q4_k_m` adds, per model,
-runs in which asyncengine and llama.cpp both serve the same quantized GGUF file, made by
-llama.cpp's converter and `llama-quantize` (gguf_quant.py), reported as models of their own
-("b: SmolLM2-135M-Instruct, Q8_0 GGUF") with issue 35's targets against llama.cpp and against
-asyncengine's own bf16 run of the model. The report: every engine's figures,
-asyncengine's ratios against vLLM's better setting and against llama.cpp with the targets
-(met only if met in every round), and a PNG per model (throughput and TTFT against streams).
-`--json` saves the run (record.py); `--from-json` makes the report, plots and doc tables again
-from a saved run without running anything; `--update-doc` writes this machine kind's tables
-into docs/performance.md (doc.py).
+llama.cpp gets each model converted to GGUF bf16 by its own converter (llamacpp.py); `--llama-q8`
+adds a Q8_0 run, for information only. `--quant q8_0,q4_k_m` adds, per model, runs in which
+asyncengine and llama.cpp both serve the same quantized GGUF file, made by llama.cpp's converter and
+`llama-quantize` (gguf_quant.py), reported as models of their own ("b: SmolLM2-135M-Instruct, Q8_0
+GGUF") with issue 35's targets against llama.cpp and against asyncengine's own bf16 run of the model
+(`--quant-only` leaves the bf16 runs out). The report: every engine's figures, asyncengine's ratios
+against vLLM's better setting and against llama.cpp with the targets (met only if met in every
+round), and a PNG per model (throughput and TTFT against streams). `--json` saves the run
+(record.py), after each model so far; `--from-json` makes the report, plots and doc tables again
+from a saved run without running anything; `--update-doc` writes this machine kind's tables into
+docs/performance.md (doc.py).
 """
 
 from __future__ import annotations
