@@ -54,6 +54,7 @@ CPU_FEATURE_SKIPS = (
     "the native kernel's fast path is not built",
     "built without AVX2 and FMA",
     "oneDNN packs bf16 in another layout on this CPU",
+    "this CPU has no AVX512-VNNI",
 )
 
 
