@@ -27,10 +27,12 @@
  *   AVX512-VNNI: two blocks per vpdpbusd (zmm), on activations laid out for it once per call;
  *     per-lane sums, each block's two scales applied by one FMA, one horizontal sum per output
  *     (see struct vnni_rows); the m terms, one FMA per 16 blocks into the same lane sums.
- *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs). Signed weights (Q8_0,
- *     Q4_0, Q5_0) go in as |w|, with a taking w's sign (vpsignb): each pair is at most
- *     2 * 128 * 127, inside int16, so nothing saturates; Q4_1's and Q5_1's q (at most 31) go
- *     in as they are. The m terms, one FMA per 8 blocks.
+ *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs). Q8_0's signed weights
+ *     go in as |w|, with a taking w's sign (vpsignb): each pair is at most 2 * 128 * 127,
+ *     inside int16, so nothing saturates; the nibble formats' q (at most 31) go in as they
+ *     are, and Q4_0's and Q5_0's offsets come out of the int32 lane sums (avx2_corr: one
+ *     vpaddd per block, where two vpsignb and the offset's own ops were). The m terms, one
+ *     FMA per 8 blocks.
  *   Scalar: plain loops (any CPU; a build without AVX2).
  *
  * Work: items of ROWS_PER_ITEM weight rows (more where N is huge), on linear.c's pool for up
@@ -267,6 +269,19 @@ static void block_sums(const int8_t *qa, const float *da, int64_t M, int64_t nb,
     }
 }
 
+/*
+ * corr[b * 8 + l] = -offset * (the sum of bytes 4l .. 4l + 3 of block b) for the n blocks of
+ * 32 int8 at qa: what the AVX2 tile adds to each block's lane sums of q * a, so that Q4_0's
+ * and Q5_0's q go into vpmaddubsw unsigned (as they are) and the block's dot stays the exact
+ * sum of (q - offset) * a.
+ */
+static void avx2_corr(const int8_t *qa, int64_t n, int offset, int32_t *corr) {
+    for (int64_t l = 0; l < n * 8; l++) {
+        const int8_t *q = qa + 4 * l;
+        corr[l] = -offset * (q[0] + q[1] + q[2] + q[3]);
+    }
+}
+
 /* ---- one tile: R rows of x against C weight rows ---- */
 
 #ifdef HAVE_AVX2
@@ -291,16 +306,13 @@ static ALWAYS_INLINE __m256i fifth_bits(const uint8_t *p) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-/* A weight block's 32 values as bytes, in element order: q - q_offset (signed) for Q8_0,
- * Q4_0 and Q5_0; q as it is (unsigned, 0..31) for Q4_1 and Q5_1. */
+/* A weight block's 32 values as bytes, in element order: Q8_0's signed q; the others' q as it
+ * is (unsigned, 0..15 or 0..31: Q4_0's and Q5_0's offset is taken out through corr, below). */
 static ALWAYS_INLINE __m256i load_w(int fmt, const uint8_t *blk) {
     if (fmt == FMT_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
     const __m256i q = load_nibbles(blk + qs_off(fmt));
-    if (fmt == FMT_Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    if (fmt == FMT_Q4_1) return q;
+    if (!has_qh(fmt)) return q;
     const __m256i high = fifth_bits(blk + qh_off(fmt));
-    if (fmt == FMT_Q5_0) /* q - 16 at once: the nibble with 0xF0 (-16) where the bit is clear */
-        return _mm256_or_si256(q, _mm256_andnot_si256(high, _mm256_set1_epi8((char)0xF0)));
     return _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(16)));
 }
 
@@ -332,13 +344,14 @@ static ALWAYS_INLINE float unpack_block(int fmt, const uint8_t *blk, int8_t *res
 }
 
 #ifdef HAVE_AVX2
-/* Block b of the AVX2 tile (below) into the sums acc. */
+/* Block b of the AVX2 tile (below) into the sums acc; corr: Q4_0's and Q5_0's offsets (the
+ * rows' avx2_corr). */
 static ALWAYS_INLINE void avx2_block(const int fmt, const int path, const int R, const int C,
                                      const uint8_t *w,
                                      int64_t row_bytes, int64_t b, const int8_t *qa,
-                                     const float *da, int64_t nb, int64_t K,
+                                     const float *da, const int32_t *corr, int64_t nb, int64_t K,
                                      __m256 acc[MAX_R][MAX_C]) {
-    const int is_unsigned = has_min(fmt);
+    const int is_unsigned = fmt != FMT_Q8_0;
     const int64_t bb = block_bytes(fmt);
     __m256i wv[MAX_C], wx[MAX_C];
     __m256 dw[MAX_C];
@@ -362,6 +375,9 @@ static ALWAYS_INLINE void avx2_block(const int fmt, const int path, const int R,
             else
 #endif
                 s = _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], as), _mm256_set1_epi16(1));
+            if (q_offset(fmt))
+                s = _mm256_add_epi32(
+                    s, _mm256_loadu_si256((const __m256i *)(corr + (r * nb + b) * 8)));
             acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[c], d),
                                         acc[r][c]);
         }
@@ -371,13 +387,15 @@ static ALWAYS_INLINE void avx2_block(const int fmt, const int path, const int R,
 
 /*
  * res[r * res_st + c] = the product of x row r (qa + r * K, scales da + r * nb, block sums
- * sa + r * sa_st) with weight row c (w + c * row_bytes), for r < R, c < C; nb blocks. R, C,
- * fmt and path are constants in each inlined copy.
+ * sa + r * sa_st; AVX2, Q4_0 and Q5_0: offset terms corr + r * nb * 8) with weight row c
+ * (w + c * row_bytes), for r < R, c < C; nb blocks. R, C, fmt and path are constants in each
+ * inlined copy.
  */
 static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const int C,
                                const uint8_t *w, int64_t row_bytes, int64_t nb,
                                const int8_t *qa, const float *da, const float *sa,
-                               int64_t sa_st, int64_t K, float *res, int64_t res_st) {
+                               int64_t sa_st, const int32_t *corr, int64_t K, float *res,
+                               int64_t res_st) {
     const int64_t bb = block_bytes(fmt);
 #ifdef HAVE_AVX2
     if (path != PATH_SCALAR) {
@@ -390,11 +408,12 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
          * on AMD Zen 4). Larger tiles have chains enough, and no registers to spare. */
         if (R * C <= 2) {
             for (; b + 1 < nb; b += 2) {
-                avx2_block(fmt, path, R, C, w, row_bytes, b, qa, da, nb, K, acc);
-                avx2_block(fmt, path, R, C, w, row_bytes, b + 1, qa, da, nb, K, acc2);
+                avx2_block(fmt, path, R, C, w, row_bytes, b, qa, da, corr, nb, K, acc);
+                avx2_block(fmt, path, R, C, w, row_bytes, b + 1, qa, da, corr, nb, K, acc2);
             }
         }
-        for (; b < nb; b++) avx2_block(fmt, path, R, C, w, row_bytes, b, qa, da, nb, K, acc);
+        for (; b < nb; b++)
+            avx2_block(fmt, path, R, C, w, row_bytes, b, qa, da, corr, nb, K, acc);
         if (R * C <= 2)
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++) acc[r][c] = _mm256_add_ps(acc[r][c], acc2[r][c]);
@@ -419,7 +438,7 @@ static ALWAYS_INLINE void tile(const int fmt, const int path, const int R, const
         return;
     }
 #endif
-    (void)path;
+    (void)path, (void)corr;
     float acc[MAX_R][MAX_C] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
         int8_t wq[MAX_C][QK];
@@ -661,7 +680,7 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 #define TILE_CASE(fmt, path, R, C)                                                         \
     case (R) * 8 + (C):                                                                    \
         TILE_VNNI(fmt, path, R, C)                                                         \
-        tile(fmt, path, R, C, w, row_bytes, nb, qa, da, sa, sa_st, K, res, res_st);        \
+        tile(fmt, path, R, C, w, row_bytes, nb, qa, da, sa, sa_st, corr, K, res, res_st);  \
         return;
 #define TILE_RS(fmt, path, C) \
     TILE_CASE(fmt, path, 1, C) TILE_CASE(fmt, path, 2, C) TILE_CASE(fmt, path, 3, C) \
@@ -670,11 +689,11 @@ static ALWAYS_INLINE void tile_vnni(const int fmt, const int R, const int C, con
 static ALWAYS_INLINE void tile_rc(const int fmt, const int path, int R, int C, const uint8_t *w,
                                   int64_t row_bytes, int64_t nb, const int8_t *qa,
                                   const float *da, const float *sa, int64_t sa_st,
-                                  const struct vnni_rows *xv, int64_t K, float *res,
-                                  int64_t res_st) {
+                                  const int32_t *corr, const struct vnni_rows *xv, int64_t K,
+                                  float *res, int64_t res_st) {
     (void)xv;
     if (path == PATH_SCALAR) {
-        tile(fmt, PATH_SCALAR, R, C, w, row_bytes, nb, qa, da, sa, sa_st, K, res, res_st);
+        tile(fmt, PATH_SCALAR, R, C, w, row_bytes, nb, qa, da, sa, sa_st, corr, K, res, res_st);
         return;
     }
     switch (R * 8 + C) {
@@ -702,6 +721,7 @@ struct quant_job {
     const int8_t *qa;
     const float *da;
     const float *sa;     /* Q4_1 and Q5_1: the block sums (block_sums), rows of sa_st */
+    const int32_t *corr; /* AVX2, Q4_0 and Q5_0: the offsets' terms (avx2_corr) */
     struct vnni_rows xv; /* the VNNI path's layout of qa and da */
     const void *bias;
     void *out;
@@ -718,16 +738,19 @@ static ALWAYS_INLINE void item_rows(const struct quant_job *j, const int fmt, co
         const int8_t *qa = j->qa + m * j->K;
         const float *da = j->da + m * nb;
         const float *sa = j->sa ? j->sa + m * j->sa_st : NULL;
+        const int32_t *corr = j->corr ? j->corr + m * nb * 8 : NULL;
         const int64_t nbp = j->xv.nbp;
         const struct vnni_rows xv = {j->xv.a + m * nbp * QK, j->xv.corr + m * nbp * 8,
                                      j->xv.da + m * nbp, nbp};
         int64_t n = n0;
         for (; n + cmax <= n1; n += cmax)
-            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st, &xv,
+            tile_rc(fmt, path, R, cmax, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st,
+                    corr, &xv,
                     j->K,
                     res + m * cols + n - n0, cols);
         for (; n < n1; n++) /* the item's last rows, one at a time */
-            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st, &xv,
+            tile_rc(fmt, path, R, 1, j->w + n * row_bytes, row_bytes, nb, qa, da, sa, j->sa_st,
+                    corr, &xv,
                     j->K,
                     res + m * cols + n - n0, cols);
     }
@@ -795,7 +818,10 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     /* and, for Q4_1 and Q5_1, the block sums in rows padded to 16 blocks */
     const int64_t sa_st = round16(nb);
     const size_t s_bytes = has_min(fmt) ? (size_t)(M * sa_st) * sizeof(float) : 0;
-    size_t bytes = q_bytes + d_bytes + s_bytes, v_off = 0;
+    /* and, on AVX2 for Q4_0 and Q5_0, the offsets' terms */
+    const int with_corr = path == PATH_AVX2 && q_offset(fmt);
+    const size_t c_bytes = with_corr ? (size_t)(M * nb * 8) * sizeof(int32_t) : 0;
+    size_t bytes = q_bytes + d_bytes + s_bytes + c_bytes, v_off = 0;
 #ifdef HAVE_VNNI
     if (path == PATH_VNNI) { /* and the VNNI path's layout after them, 64-byte aligned */
         v_off = (bytes + 63) & ~(size_t)63;
@@ -816,6 +842,11 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
         sa = (float *)(buf + q_bytes + d_bytes);
         block_sums(qa, da, M, nb, sa_st, sa);
     }
+    int32_t *corr = NULL;
+    if (with_corr) {
+        corr = (int32_t *)(buf + q_bytes + d_bytes + s_bytes);
+        avx2_corr(qa, M * nb, q_offset(fmt), corr);
+    }
     int64_t per_item = ROWS_PER_ITEM;
     while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
     struct vnni_rows xv = {0};
@@ -827,8 +858,8 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     }
 #endif
     (void)v_off;
-    const struct quant_job job = {w,    qa, da, sa, xv,       bias,  out, M,
-                                  N,    K,  o_st, per_item, sa_st, fmt, path, dt};
+    const struct quant_job job = {w, qa,   da,       sa,    corr, xv,   bias, out, M,
+                                  N, K,    o_st,     per_item, sa_st, fmt, path, dt};
     ae_linear_run_items(pooled, quant_item, &job, sizeof job, (N + per_item - 1) / per_item,
                         num_threads);
     if (pooled) ae_pool_release();
