@@ -223,8 +223,9 @@ int ae_dequantize_quant(int fmt, const void *w, int64_t N, int64_t K, int dt, vo
                         int64_t o_st, int num_threads) {
     if (fmt < 0 || fmt >= AE_QUANT_FORMATS) return -3;
     if (dt < 0 || dt > 2) return -4;
+    if (fmt == AE_QUANT_Q5_0_BYTES) fmt = 0; /* Q8_0's blocks, with smaller values */
     /* the interleaved formats: a row at a time from its group, as the file's blocks */
-    const int r8 = fmt >= AE_QUANT_Q4_K_R8 ? fmt : 0;
+    const int r8 = AE_QUANT_IS_R8(fmt) ? fmt : 0;
     const int64_t gb = r8 ? r8_group_bytes(r8) : 0;
     if (r8) fmt = r8_source_format(r8);
     const int64_t values = VALUES[fmt], nb = K / values;

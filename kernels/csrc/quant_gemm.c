@@ -74,6 +74,10 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
         sc[0] = f16_at(b);
         for (int j = 0; j < 32; j++) u[j] = (uint8_t)(b[2 + j] ^ 0x80);
         break;
+    case AE_QUANT_Q5_0_BYTES: /* d, qs[32]: q - 16 */
+        sc[0] = f16_at(b);
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)(b[2 + j] + 16);
+        break;
     case 1:   /* Q4_0: d, qs[16] */
     case 2:   /* Q4_1: d, m, qs[16] */
     case 3:   /* Q5_0: d, qh, qs[16] */
@@ -443,7 +447,7 @@ static tile_fn tile_for(int R, int SB, int has_min, int kq) {
  * stored into out if this thread commits the item. */
 static void gemm_panel(const void *ctx, int64_t p, const struct ae_commit *commit) {
     const struct gemm_job *j = ctx;
-    const int fmt = j->fmt, r8 = fmt >= AE_QUANT_Q4_K_R8;
+    const int fmt = j->fmt, r8 = AE_QUANT_IS_R8(fmt);
     const struct gemm_fmt fi = FMT[fmt];
     const int64_t M = j->M, N = j->N, K = j->K, nb = j->nb;
     const int64_t kc_max = K < KC ? K : KC, m_pad = (M + TILE_R - 1) / TILE_R * TILE_R;
@@ -511,11 +515,11 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
     if (path == AE_QUANT_PATH_VNNI) panel_fn = gemm_panel;
 #endif
 #ifdef HAVE_GEMM_AVX2
-    if (path == AE_QUANT_PATH_AVX2 && fmt < AE_QUANT_Q4_K_R8) panel_fn = ae_gemm_panel_avx2;
+    if (path == AE_QUANT_PATH_AVX2 && !AE_QUANT_IS_R8(fmt)) panel_fn = ae_gemm_panel_avx2;
 #endif
     if (panel_fn == NULL) return -3;
     const struct gemm_fmt fi = FMT[fmt];
-    if (fmt >= AE_QUANT_Q4_K_R8 && N % 8) return -2;
+    if (AE_QUANT_IS_R8(fmt) && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb32 = K / 32, S = K / fi.sub, panels = (N + PANEL - 1) / PANEL;

@@ -39,6 +39,7 @@ static const struct gemm_fmt GEMM_FMT[AE_QUANT_FORMATS] = {
     {32, 22, 32, 16, 0},  /* Q5_0_R8, Q4_0_R8: the same */
     {32, 18, 32, 8, 0},
     {256, 210, 16, 32, 0}, /* Q6_K_R8: the same */
+    {32, 34, 32, 16, 0},   /* Q5_0_BYTES: Q5_0's values as unsigned q (+ 16 at the unpack) */
 };
 
 /* What the rows of x bring to a product: their int8 values and block scales, and per
@@ -73,7 +74,7 @@ struct gemm_pf {
 static inline void gemm_next_chunk(int fmt, const uint8_t *w, int64_t N, int64_t nb, int64_t p,
                                    int64_t k0, int64_t K, struct gemm_pf *pf) {
     const struct gemm_fmt fi = GEMM_FMT[fmt];
-    const int rows = fmt >= AE_QUANT_Q4_K_R8 ? 8 : 1; /* rows per run */
+    const int rows = AE_QUANT_IS_R8(fmt) ? 8 : 1; /* rows per run */
     const int64_t run_bytes = (int64_t)fi.bytes * rows;
     if (k0 + GEMM_KC < K) k0 += GEMM_KC;
     else p++, k0 = 0;
@@ -137,13 +138,15 @@ typedef void (*gemm_unpack_fn)(int fmt, const uint8_t *w, int64_t nb, uint8_t *u
 #define GEMM_UNPACK_ROWS                                                                    \
     GEMM_UNPACK_ROW_FN(0) GEMM_UNPACK_ROW_FN(1) GEMM_UNPACK_ROW_FN(2) GEMM_UNPACK_ROW_FN(3)  \
     GEMM_UNPACK_ROW_FN(4) GEMM_UNPACK_ROW_FN(5) GEMM_UNPACK_ROW_FN(6) GEMM_UNPACK_ROW_FN(7)  \
+    GEMM_UNPACK_ROW_FN(13)                                                                  \
     static void unpack_row(int fmt, const uint8_t *w, int64_t nb, uint8_t *u, float *sc,     \
                            float *mn, int col) {                                            \
         static void (*const fns[8])(const uint8_t *, int64_t, uint8_t *, float *, float *,   \
                                     int) = {unpack_row_0, unpack_row_1, unpack_row_2,        \
                                             unpack_row_3, unpack_row_4, unpack_row_5,        \
                                             unpack_row_6, unpack_row_7};                     \
-        fns[fmt](w, nb, u, sc, mn, col);                                                    \
+        if (fmt == AE_QUANT_Q5_0_BYTES) unpack_row_13(w, nb, u, sc, mn, col);               \
+        else fns[fmt](w, nb, u, sc, mn, col);                                               \
     }
 
 /* Values k0 .. k0 + kc of the panel's weight rows n0 .. n0 + cols - 1 (the file layouts),
@@ -165,7 +168,7 @@ static inline void gemm_unpack_chunk(gemm_unpack_fn unpack, const struct gemm_jo
     }
 }
 
-/* Panel p of the job on AVX2 (quant_gemm_avx2.c): an ae_pool_fn. Formats 0-7 only. */
+/* Panel p of the job on AVX2 (quant_gemm_avx2.c): an ae_pool_fn. Formats 0-7 and 13 only. */
 void ae_gemm_panel_avx2(const void *ctx, int64_t p, const struct ae_commit *commit);
 
 #endif

@@ -62,6 +62,12 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
         sc[0] = f16_at(b);
         memcpy(u, b + 2, 32);
         break;
+    case AE_QUANT_Q5_0_BYTES: /* d, qs[32]: q - 16, unpacked as Q5_0's q */
+        sc[0] = f16_at(b);
+        _mm256_storeu_si256((__m256i *)u,
+                            _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(b + 2)),
+                                            _mm256_set1_epi8(16)));
+        break;
     case 1:   /* Q4_0: d, qs[16] */
     case 2:   /* Q4_1: d, m, qs[16] */
     case 3:   /* Q5_0: d, qh, qs[16] */
@@ -267,9 +273,9 @@ static tile_fn tile_for(int R, int fmt) {
         {tile_1_0, tile_2_0}, {tile_1_1, tile_2_1}, {tile_1_2, tile_2_2},
         {tile_1_3, tile_2_3}, {tile_1_4, tile_2_4}, {tile_1_5, tile_2_5},
     };
-    /* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K */
+    /* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; Q5_0_BYTES as Q5_0 */
     static const int kind[8] = {0, 1, 2, 3, 4, 2, 4, 5};
-    return fns[kind[fmt]][R - 1];
+    return fns[fmt == AE_QUANT_Q5_0_BYTES ? 3 : kind[fmt]][R - 1];
 }
 
 void ae_gemm_panel_avx2(const void *ctx, int64_t p, const struct ae_commit *commit) {

@@ -892,6 +892,8 @@ int ae_quant_gemm_min_rows(int fmt) {
      * 0.92-0.97x the GEMM's time at 6-8 rows), 6 for Q4_K and 7-8 for Q6_K (tiles
      * 0.96-1.00x at 6, 1.04-1.10x slower at 8). The 8-row layouts are the VNNI path's only. */
     static const int avx2_rows[AE_QUANT_Q4_K_R8] = {10, 4, 4, 4, 4, 7, 7, 8};
+    if (path == PATH_AVX2 && fmt == AE_QUANT_Q5_0_BYTES) /* the GEMM reads it as Q5_0 */
+        return avx2_rows[FMT_Q5_0];
     if (path == PATH_AVX2 && fmt >= 0 && fmt < AE_QUANT_Q4_K_R8) return avx2_rows[fmt];
 #endif
     return 0;
@@ -903,14 +905,15 @@ int ae_quant_formats(void) {
     return (1 << FMT_Q8_0) | (1 << FMT_Q4_0) | (1 << FMT_Q4_1) | (1 << FMT_Q5_0) |
            (1 << FMT_Q5_1) | ae_kquant_formats() | (1 << AE_QUANT_Q4_K_R8) |
            (1 << AE_QUANT_Q8_0_R8) | (1 << AE_QUANT_Q5_0_R8) | (1 << AE_QUANT_Q4_0_R8) |
-           (1 << AE_QUANT_Q6_K_R8);
+           (1 << AE_QUANT_Q6_K_R8) | (1 << AE_QUANT_Q5_0_BYTES);
 }
 
 /*
  * out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N, with W in the blocks of
  * format fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1: this file, as described at the top;
  * 5 Q4_K, 6 Q5_K, 7 Q6_K: quant_kquants.c; 8 Q4_K_R8, 9 Q8_0_R8, 10 Q5_0_R8, 11 Q4_0_R8,
- * 12 Q6_K_R8: quant_r8.c) and x's rows quantized to int8 blocks of 32 first.
+ * 12 Q6_K_R8: quant_r8.c; 13 Q5_0_BYTES: Q8_0's tiles, Q5_0's GEMM) and x's rows quantized to
+ * int8 blocks of 32 first.
  * dt: the dtype of x, bias and out (fp32, bf16 or fp16); x [M][K] with row stride x_st; w:
  * N rows of whole blocks; bias: N values or NULL; out [M][N] with row stride o_st.
  * Returns 0; -1 when out of memory; -2 when K is not a positive multiple of the block's
@@ -924,8 +927,10 @@ int ae_linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M, con
         const int r = ae_quant_gemm(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
         if (r != -3) return r;
     }
-    if (fmt >= AE_QUANT_Q4_K_R8 && fmt < AE_QUANT_FORMATS)
+    if (AE_QUANT_IS_R8(fmt))
         return ae_linear_r8(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
+    /* Q5_0_BYTES: Q8_0's blocks (values in -16 .. 15), on Q8_0's tiles */
+    if (fmt == AE_QUANT_Q5_0_BYTES) fmt = FMT_Q8_0;
     if (fmt >= AE_QUANT_Q4_K)
         return ae_linear_kquant(fmt, dt, x, x_st, M, w, N, K, bias, out, o_st, num_threads);
     if (fmt < 0 || fmt >= FMT_END) return -3;

@@ -41,6 +41,7 @@ TESTS = [
     "tests/kernels/test_quant_dequant.py",
     "tests/kernels/test_quant_gemm.py",
     "tests/kernels/test_quant_r8.py",
+    "tests/kernels/test_quant_q5_0_bytes.py",
     "tests/kernels/test_lora_cpu.py",
     "tests/model/test_decode_layers.py::test_native_layers_give_the_python_loops_numbers",
     "tests/model/test_cpu_linear.py::test_fused_gate_up_silu_is_the_two_steps_bit_for_bit",

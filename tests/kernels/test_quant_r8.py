@@ -156,6 +156,7 @@ def test_weights_not_in_groups_of_8_rows_are_refused(qtype: str) -> None:
 def test_the_decode_layout_is_interleaved_on_the_vnni_path_only(
     monkeypatch: pytest.MonkeyPatch, qtype: str
 ) -> None:
+    monkeypatch.setattr(quant_cpu, "Q5_0_AS_BYTES", False)  # (test_quant_q5_0_bytes.py's)
     gen = torch.Generator().manual_seed(6)
     rows = random_blocks(qtype, 16, 256, gen)
     q5k = random_blocks("q5_k", 16, 256, gen)
