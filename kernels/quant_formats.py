@@ -112,6 +112,11 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
     return bits.flatten(-2)
 
 
+def _q5_values(b: torch.Tensor, off: int) -> torch.Tensor:
+    """Q5_0 (off 0) or Q5_1 (off 2: its m) blocks [..., bytes] as their 32 q, 0..31 [..., 32]."""
+    return _nibbles(b[..., 6 + off :]) | (_bits(b[..., 2 + off : 6 + off]) << 4)
+
+
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 scale bytes of a Q4_K / Q5_K block [..., 12] as eight 6-bit scales and eight
     6-bit mins [..., 8] each (ggml's get_scale_min_k4)."""
@@ -159,7 +164,7 @@ def dequantize(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
         w = _nibbles(b[..., 4:]).float() * _f16(b[..., :2]) + _f16(b[..., 2:4])
     elif qtype in (Q5_0, Q5_1):
         off = 0 if qtype == Q5_0 else 2  # Q5_1 has m after d
-        q = (_nibbles(b[..., 6 + off :]) | (_bits(b[..., 2 + off : 6 + off]) << 4)).float()
+        q = _q5_values(b, off).float()
         d = _f16(b[..., :2])
         w = (q - 16) * d if qtype == Q5_0 else q * d + _f16(b[..., 2:4])
     elif qtype in (Q4_K, Q5_K):
@@ -292,7 +297,7 @@ def q5_0_to_bytes(qweight: torch.Tensor) -> torch.Tensor:
     k = in_features(qweight, Q5_0)
     n = qweight.shape[0]
     b = qweight.reshape(n, -1, 22)
-    q = (_nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)).to(torch.int16) - 16  # [N, nb, 32]
+    q = _q5_values(b, 0).to(torch.int16) - 16  # [N, nb, 32]
     out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
     out[..., :2] = b[..., :2]
     out[..., 2:] = q.to(torch.int8).view(torch.uint8)

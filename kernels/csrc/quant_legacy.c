@@ -30,7 +30,7 @@
  *   AVX2: vpmaddubsw (unsigned by signed into saturating int16 pairs). Q8_0's signed weights
  *     go in as |w|, with a taking w's sign (vpsignb): each pair is at most 2 * 128 * 127,
  *     inside int16, so nothing saturates; the nibble formats' q (at most 31) go in as they
- *     are, and Q4_0's and Q5_0's offsets come out of the int32 lane sums (avx2_corr: one
+ *     are, and Q4_0's and Q5_0's offsets come out of the int32 lane sums (lane_corr: one
  *     vpaddd per block, where two vpsignb and the offset's own ops were). The m terms, one
  *     FMA per 8 blocks.
  *   Scalar: plain loops (any CPU; a build without AVX2).
@@ -271,11 +271,11 @@ static void block_sums(const int8_t *qa, const float *da, int64_t M, int64_t nb,
 
 /*
  * corr[b * 8 + l] = -offset * (the sum of bytes 4l .. 4l + 3 of block b) for the n blocks of
- * 32 int8 at qa: what the AVX2 tile adds to each block's lane sums of q * a, so that Q4_0's
- * and Q5_0's q go into vpmaddubsw unsigned (as they are) and the block's dot stays the exact
- * sum of (q - offset) * a.
+ * 32 int8 at qa: what a tile adds to each block's 4-byte lane sums of q * a where the weights
+ * go in unsigned (q + offset on VNNI, Q4_0's and Q5_0's q on AVX2), so that the block's dot
+ * stays the exact sum of the true weights times a.
  */
-static void avx2_corr(const int8_t *qa, int64_t n, int offset, int32_t *corr) {
+static void lane_corr(const int8_t *qa, int64_t n, int offset, int32_t *corr) {
     for (int64_t l = 0; l < n * 8; l++) {
         const int8_t *q = qa + 4 * l;
         corr[l] = -offset * (q[0] + q[1] + q[2] + q[3]);
@@ -345,7 +345,7 @@ static ALWAYS_INLINE float unpack_block(int fmt, const uint8_t *blk, int8_t *res
 
 #ifdef HAVE_AVX2
 /* Block b of the AVX2 tile (below) into the sums acc; corr: Q4_0's and Q5_0's offsets (the
- * rows' avx2_corr). */
+ * rows' lane_corr). */
 static ALWAYS_INLINE void avx2_block(const int fmt, const int path, const int R, const int C,
                                      const uint8_t *w,
                                      int64_t row_bytes, int64_t b, const int8_t *qa,
@@ -528,10 +528,7 @@ static struct vnni_rows prepare_vnni(int fmt, const int8_t *qa, const float *da,
                 memcpy(pair + 32, src + b * QK + 16, 16);
             }
         }
-        for (int64_t l = 0; excess && l < nbp * 8; l++) {
-            const int8_t *q = dst + 4 * l;
-            corr[m * nbp * 8 + l] = -excess * (q[0] + q[1] + q[2] + q[3]);
-        }
+        if (excess) lane_corr(dst, nbp, excess, corr + m * nbp * 8);
     }
     return (struct vnni_rows){a, corr, d, nbp};
 }
@@ -721,7 +718,7 @@ struct quant_job {
     const int8_t *qa;
     const float *da;
     const float *sa;     /* Q4_1 and Q5_1: the block sums (block_sums), rows of sa_st */
-    const int32_t *corr; /* AVX2, Q4_0 and Q5_0: the offsets' terms (avx2_corr) */
+    const int32_t *corr; /* AVX2, Q4_0 and Q5_0: the offsets' terms (lane_corr) */
     struct vnni_rows xv; /* the VNNI path's layout of qa and da */
     const void *bias;
     void *out;
@@ -845,7 +842,7 @@ static int linear_quant(int fmt, int dt, const void *x, int64_t x_st, int64_t M,
     int32_t *corr = NULL;
     if (with_corr) {
         corr = (int32_t *)(buf + q_bytes + d_bytes + s_bytes);
-        avx2_corr(qa, M * nb, q_offset(fmt), corr);
+        lane_corr(qa, M * nb, q_offset(fmt), corr);
     }
     int64_t per_item = ROWS_PER_ITEM;
     while ((N + per_item - 1) / per_item > AE_POOL_MAX_ITEMS) per_item += ROWS_PER_ITEM;
