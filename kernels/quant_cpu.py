@@ -222,6 +222,13 @@ def gemm_min_rows(qtype: str) -> int:
     return int(_kernels().quant_gemm_min_rows(quant_format(qtype).code))
 
 
+def gemm_f32_min_rows(qtype: str) -> int:
+    """From how many rows the panel GEMM multiplies `qtype` weights dequantized to fp32 by
+    the activations as they are (not quantized to int8 blocks), on the path in effect: Q8_0
+    on the AVX2 path (`csrc/quant_gemm_f32.c`); 0 elsewhere."""
+    return int(_kernels().quant_gemm_f32_min_rows(quant_format(qtype).code))
+
+
 def _set_path(lib: NativeKernels, name: str | None) -> str:
     if name is not None and name not in PATHS:
         raise ValueError(f"unknown quantized-kernel path {name!r} (one of {', '.join(PATHS)})")

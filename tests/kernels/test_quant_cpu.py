@@ -105,11 +105,23 @@ def test_activation_groups_are_checked() -> None:
     assert activation_group(Q8_0) == QK and activation_group(Q4_K) == QKK
 
 
-def _exact(x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None):
-    """The kernel's product in float64 (activations quantized as it does), and the sum of its
-    terms' magnitudes."""
+def _exact(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: str,
+    bias: torch.Tensor | None,
+    quantized: bool | None = None,
+):
+    """The kernel's product in float64 (activations quantized as it does: to int8 blocks, or
+    not at all where the path in effect multiplies this many rows in fp32), and the sum of its
+    terms' magnitudes. `quantized` says which instead."""
+    if quantized is None:
+        f32_rows = quant_cpu.gemm_f32_min_rows(qtype) if load_native() is not None else 0
+        quantized = not f32_rows or len(x) < f32_rows
     qs, d = quantize_rows_q8_torch(x.float())
     xq = (qs.double().reshape(len(x), -1, QK) * d.double().unsqueeze(-1)).reshape(x.shape)
+    if not quantized:
+        xq = x.double()
     w = dequantize(qweight, qtype).double()
     out = xq @ w.T
     if bias is not None:
@@ -180,8 +192,9 @@ def test_products_match_the_dequantized_reference(
     loose_rounding = torch.finfo(dtype).eps * plain.abs() + 2.0**-16 * magnitude.float()
     assert torch.all((out.float() - plain).abs() <= bound * 1.001 + loose_rounding)
 
-    # The torch backend's numbers are the kernel's up to the order of the sums.
+    # The torch backend's numbers are the int8 kernels' up to the order of the sums.
     fallback = linear_quant_torch(x, qweight, qtype, bias)
+    exact, magnitude = _exact(x, qweight, qtype, bias, quantized=True)
     assert torch.all((fallback.double() - exact).abs() <= 2.0**-16 * magnitude + rounding * 2)
 
 

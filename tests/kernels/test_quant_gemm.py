@@ -1,8 +1,9 @@
 """The many-row product over GGUF blocks on AVX512-VNNI (csrc/quant_gemm.c) and on AVX2
-(csrc/quant_gemm_avx2.c): every format each path runs, on awkward shapes (rows through the
-tiles' remainders, weight rows past the 32-row panels and their 16-row halves, one and several
-blocks), each dtype, with and without a bias, against the product of the same int8
-activations and the dequantized weight in float64; and which products take it."""
+(csrc/quant_gemm_avx2.c, and csrc/quant_gemm_f32.c for Q8_0 from 16 rows): every format each
+path runs, on awkward shapes (rows through the tiles' remainders, weight rows past the 32-row
+panels and their 16-row halves, one and several blocks), each dtype, with and without a bias,
+against the product of the same int8 activations (AVX2's Q8_0 from 16 rows: the activations as
+they are) and the dequantized weight in float64; and which products take it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from asyncengine.kernels.quant_cpu import (
     QK,
     activation_group,
     dequantize,
+    gemm_f32_min_rows,
     linear_quant_cpu,
     quant_gemm_cpu,
     quantize_rows_q8_torch,
@@ -48,10 +50,15 @@ def _best_path_after() -> Iterator[None]:
 def _exact(
     x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The product of x's int8 blocks and the dequantized weight in float64, and the sum of
-    the products' and the bias's magnitudes (what the fp32 sums' rounding scales with)."""
-    qs, d = quantize_rows_q8_torch(x.float(), activation_group(qtype))
-    xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
+    """The product of x's int8 blocks (x itself where the path multiplies this many rows in
+    fp32) and the dequantized weight in float64, and the sum of the products' and the bias's
+    magnitudes (what the fp32 sums' rounding scales with)."""
+    f32_rows = gemm_f32_min_rows(qtype)
+    if f32_rows and x.shape[0] >= f32_rows:
+        xq = x.double()
+    else:
+        qs, d = quantize_rows_q8_torch(x.float(), activation_group(qtype))
+        xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
     w = dequantize(qweight, qtype).double()
     out, magnitude = xq @ w.T, xq.abs() @ w.abs().T
     if bias is not None:
@@ -72,6 +79,7 @@ def test_products_match_the_exact_product(path: str, qtype: str, dtype: torch.dt
             quant_gemm_cpu(torch.ones(2, values), random_blocks(qtype, 8, values, generator), qtype)
         return
     shapes = [(1, 33, 1), (3, 1, 2), (4, 64, 3), (6, 70, 1), (9, 31, 4), (13, 97, 2), (5, 16, 5)]
+    shapes += [(16, 35, 1), (23, 70, 2), (37, 5, 3)]  # AVX2's Q8_0 in fp32 (blocks of 16 rows)
     for m, n, blocks in shapes:
         k = blocks * max(values, 64)
         group = quant_format(qtype).row_group
@@ -119,7 +127,8 @@ def test_avx2_takes_its_gemm_from_its_rows(qtype: str) -> None:
 
 def _check_rows_around(qtype: str, rows: int, n: int, seed: int) -> None:
     """linear_quant_cpu at rows - 1, rows and more rows matches the exact product, and from
-    `rows` on equals quant_gemm_cpu (the panel GEMM of the path in effect)."""
+    `rows` on equals quant_gemm_cpu (the panel GEMM of the path in effect). (AVX2's Q8_0: 10
+    and 21 rows, the second on quant_gemm_f32.c.)"""
     generator = torch.Generator().manual_seed(seed)
     qweight = random_blocks(qtype, n, 512, generator)
     for m in (rows - 1, rows, 2 * rows + 1):
@@ -154,3 +163,31 @@ def test_quant_linear_keeps_many_rows_on_the_int8_gemm(monkeypatch: pytest.Monke
     quant_cpu.set_path("scalar")
     layer(x)
     assert calls == [64]
+
+
+@avx2
+def test_avx2_q8_0_takes_fp32_from_16_rows() -> None:
+    """On the AVX2 path Q8_0 products of 16 rows and more multiply the dequantized weight by
+    x as it is, in fp32 (csrc/quant_gemm_f32.c): 15 rows match the int8 activations' product,
+    16 and 50 rows the unquantized one, up to fp32 rounding. No other format or path does."""
+    quant_cpu.set_path("avx2")
+    assert gemm_f32_min_rows("q8_0") == 16
+    assert all(gemm_f32_min_rows(q) == 0 for q in FORMATS if q != "q8_0")
+    generator = torch.Generator().manual_seed(6)
+    qweight = random_blocks("q8_0", 70, 1024, generator)  # 3 panels, the last of 6 rows
+    for m in (15, 16, 50):
+        x = torch.randn(m, 1024, generator=generator).to(torch.bfloat16)
+        qs, d = quantize_rows_q8_torch(x.float(), QK)
+        xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
+        w = dequantize(qweight, "q8_0").double()
+        exact = (x.double() if m >= 16 else xq) @ w.T
+        magnitude = (x.double() if m >= 16 else xq).abs() @ w.abs().T
+        out = linear_quant_cpu(x, qweight, "q8_0").double()
+        rounding = torch.finfo(torch.bfloat16).eps * exact.abs()
+        assert torch.all((out - exact).abs() <= 2.0**-16 * magnitude + rounding), m
+        # the int8 activations' product is off by more than that (the test tells them apart)
+        other = (xq if m >= 16 else x.double()) @ w.T
+        assert (other - exact).abs().max() > 10 * (2.0**-16 * magnitude).max()
+    for path in ("scalar", *(p for p in ("avx512_vnni",) if _path_here(p))):
+        quant_cpu.set_path(path)
+        assert gemm_f32_min_rows("q8_0") == 0

@@ -192,21 +192,24 @@ def test_greedy_tokens_follow_the_dequantized_reference(
 def test_a_long_prefill_gives_its_routes_reference_logprobs(tmp_path: Path, qtype: Q) -> None:
     # One step of at least DEQUANT_MIN_ROWS tokens. On the scalar path (no panel GEMM) the
     # projections multiply the dequantized weight with the float GEMM: the prompt's logprobs
-    # are the unrounded fp32 reference's up to the order of sums. On the AVX512-VNNI and AVX2
-    # paths every projection runs an int8 panel GEMM, its input rows rounded to int8 blocks
-    # as in short steps: close to the reference that rounds them too, where a sum's order can
-    # move a value across a rounding step of its block (so 1e-2, not 1e-4).
+    # are the unrounded fp32 reference's up to the order of sums; so on the AVX2 path for
+    # Q8_0, whose many-row products multiply in fp32 (csrc/quant_gemm_f32.c). Otherwise on the
+    # AVX512-VNNI and AVX2 paths every projection runs an int8 panel GEMM, its input rows
+    # rounded to int8 blocks as in short steps: close to the reference that rounds them too,
+    # where a sum's order can move a value across a rounding step of its block (so 1e-2, not
+    # 1e-4).
     from asyncengine.kernels import quant_cpu
     from asyncengine.model.quant_linear import DEQUANT_MIN_ROWS
 
     tiny = write_tiny_gguf(tmp_path / "long.gguf", "llama", weight_type=qtype, seed=5,
                            shapes=K_SHAPES)  # fmt: skip
     prompt = [3 + (11 * i) % 200 for i in range(DEQUANT_MIN_ROWS + 16)]
-    routes = [(path, path != "scalar") for path in quant_cpu.available_paths()]
+    name = qtype.name.lower()
     try:
-        for path, rounded in routes:
+        for path in quant_cpu.available_paths():
             quant_cpu.set_path(path)
-            assert (quant_cpu.gemm_min_rows("q8_0") > 0) == rounded
+            assert (quant_cpu.gemm_min_rows(name) > 0) == (path != "scalar")
+            rounded = path != "scalar" and quant_cpu.gemm_f32_min_rows(name) == 0
             model = _reference_model(tiny.path, tiny, quantized=rounded)
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt])).logits[0].float()
