@@ -15,7 +15,8 @@
  * rows, each step along K two loads of x, four broadcast weights and eight FMAs (eight
  * accumulators). A work item is a panel of GEMM_PANEL weight rows: KC values of K at a time
  * dequantized (row-major, KC floats per row) and every block of x run over them; the sums
- * gather in a [weight row][x row] scratch, stored transposed at the end.
+ * gather in a [weight row][x row] scratch, stored transposed at the end. Long prefills pass
+ * over the weights once per CHUNK_BYTES of x.
  *
  * Arithmetic: the products and sums in fp32, one chain per output along K (in K order), the
  * bias added in fp32, one rounding to out's dtype.
@@ -36,6 +37,9 @@
 #define XB 16  /* rows of x per register block */
 #define NB 4   /* weight rows per register block */
 #define KC 256 /* values of K per chunk: a block of x's slice (16 KB) stays in L1 */
+/* x's rows per pass over the weights: about this many bytes of fp32 x, which every panel
+ * reads (from L2 or L3, not memory, however long the prefill), as linear_dense.c's */
+#define CHUNK_BYTES (2 << 20)
 
 struct f32_job {
     const uint8_t *w; /* Q8_0 rows of nb blocks */
@@ -143,37 +147,77 @@ static void f32_panel(const void *ctx, int64_t p, const struct ae_commit *commit
     ae_commit_end(commit);
 }
 
+/* r[i] = column i of the 8 x 8 floats in r (rows r[0..8)). */
+static ALWAYS_INLINE void transpose_8x8(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);     /* 0 of i, i + 1, 1 of i, i + 1 | 4, 5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* 2, 3 | 6, 7 */
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);     /* column 0 of rows i .. i + 3 | 4 */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee); /* 1 | 5 */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44); /* 2 | 6 */
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee); /* 3 | 7 */
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+        r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+    }
+}
+
+/* x's M rows (dtype dt, row stride x_st) widened into xt: blocks of XB rows, k-major within
+ * (xt[(b * K + k) * XB + i] = row b * XB + i's value k; xt 32-byte aligned), the rows from M
+ * to m_pad zero. Eight rows at a time, 256 values of each widened and 8 x 8 transposed. */
+static void widen_blocks(const void *x, int dt, int64_t x_st, int64_t M, int64_t m_pad, int64_t K,
+                         float *restrict xt) {
+    float tmp[8][256] __attribute__((aligned(32)));
+    for (int64_t m0 = 0; m0 < m_pad; m0 += 8) {
+        float *dst = xt + m0 / XB * XB * K + m0 % XB;
+        for (int64_t k0 = 0; k0 < K; k0 += 256) {
+            const int64_t n = K - k0 < 256 ? K - k0 : 256; /* a multiple of 32 */
+            for (int64_t i = 0; i < 8; i++) {
+                if (m0 + i < M)
+                    load_f32((const char *)x + ((m0 + i) * x_st + k0) * elem_size(dt), tmp[i], n,
+                             dt);
+                else memset(tmp[i], 0, (size_t)n * sizeof(float));
+            }
+            for (int64_t k = 0; k < n; k += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(tmp[i] + k);
+                transpose_8x8(r);
+                for (int j = 0; j < 8; j++) _mm256_store_ps(dst + (k0 + k + j) * XB, r[j]);
+            }
+        }
+    }
+}
+
 int ae_quant_gemm_f32(const void *x, int dt, int64_t x_st, int64_t M, const void *w, int64_t N,
                       int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
     if (K <= 0 || K % 32) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t m_pad = (M + XB - 1) / XB * XB, panels = (N + PANEL - 1) / PANEL;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    /* rows per pass over the weights: whole blocks, about CHUNK_BYTES of fp32 x */
+    int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float));
+    chunk = chunk < 4 * XB ? 4 * XB : chunk - chunk % XB;
+    if (chunk > M) chunk = (M + XB - 1) / XB * XB;
     const int pooled = panels <= AE_POOL_MAX_ITEMS && ae_linear_use_pool(M, num_threads);
-    const size_t bytes = (size_t)(m_pad * K) * sizeof(float) + 64;
+    const size_t bytes = (size_t)(chunk * K) * sizeof(float) + 64;
     char *buf = pooled ? ae_pool_buffer(0, bytes) : malloc(bytes);
     if (buf == NULL) {
         if (pooled) ae_pool_release();
         return -1;
     }
     float *xt = (float *)(buf + (64 - (uintptr_t)buf % 64) % 64);
-    for (int64_t m0 = 0; m0 < m_pad; m0 += XB) { /* rows past M: zero */
-        float *blk = xt + m0 * K;
-        for (int64_t i = 0; i < XB; i++) {
-            if (m0 + i >= M) {
-                for (int64_t k = 0; k < K; k++) blk[k * XB + i] = 0.0f;
-                continue;
-            }
-            const char *src = (const char *)x + (m0 + i) * x_st * elem_size(dt);
-            for (int64_t k0 = 0; k0 < K; k0 += 256) {
-                float tmp[256];
-                const int64_t n = K - k0 < 256 ? K - k0 : 256;
-                load_f32(src + k0 * elem_size(dt), tmp, n, dt);
-                for (int64_t k = 0; k < n; k++) blk[(k0 + k) * XB + i] = tmp[k];
-            }
-        }
+    const int64_t x_row = x_st * elem_size(dt), o_row = o_st * elem_size(dt);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = M - m0 < chunk ? M - m0 : chunk, m_pad = (rows + XB - 1) / XB * XB;
+        widen_blocks((const char *)x + m0 * x_row, dt, x_st, rows, m_pad, K, xt);
+        const struct f32_job job = {
+            w, bias, (char *)out + m0 * o_row, xt, rows, m_pad, N, K, K / 32, o_st, dt,
+        };
+        ae_linear_run_items(pooled, f32_panel, &job, sizeof job, panels, num_threads);
     }
-    const struct f32_job job = {w, bias, out, xt, M, m_pad, N, K, K / 32, o_st, dt};
-    ae_linear_run_items(pooled, f32_panel, &job, sizeof job, panels, num_threads);
     if (pooled) ae_pool_release();
     else free(buf);
     return 0;

@@ -176,13 +176,15 @@ def test_avx2_q8_0_takes_fp32_from_16_rows() -> None:
     generator = torch.Generator().manual_seed(6)
     qweight = random_blocks("q8_0", 70, 1024, generator)  # 3 panels, the last of 6 rows
     for m in (15, 16, 50):
-        x = torch.randn(m, 1024, generator=generator).to(torch.bfloat16)
+        wide = torch.randn(m, 1056, generator=generator).to(torch.bfloat16)
+        x = wide[:, 32:] if m == 50 else wide[:, :1024]  # 50: rows with their own stride
         qs, d = quantize_rows_q8_torch(x.float(), QK)
         xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
         w = dequantize(qweight, "q8_0").double()
         exact = (x.double() if m >= 16 else xq) @ w.T
         magnitude = (x.double() if m >= 16 else xq).abs() @ w.abs().T
         out = linear_quant_cpu(x, qweight, "q8_0").double()
+        assert torch.equal(out, quant_gemm_cpu(x, qweight, "q8_0").double()) or m < 16
         rounding = torch.finfo(torch.bfloat16).eps * exact.abs()
         assert torch.all((out - exact).abs() <= 2.0**-16 * magnitude + rounding), m
         # the int8 activations' product is off by more than that (the test tells them apart)
