@@ -215,6 +215,7 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     )),
     "ae_quant_gemm_min_rows": (_int, (_int,)),  # format code
     "ae_quant_gemm_f32_min_rows": (_int, (_int,)),  # format code
+    "ae_quant_gemm_f32_set": (_int, (_int,)),  # 1 on, 0 off, -1 the CPU's default, -2 query
     # interleaved format code, src, dst, N, K, threads
     "ae_repack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
     "ae_unpack_r8": (_int, (_int, _ptr, _ptr, _i64, _i64, _int)),
@@ -270,6 +271,7 @@ class NativeKernels:
     quant_gemm_min_rows: Callable[[int], int]
     # from how many rows quant_gemm multiplies in fp32, x unquantized (0: never)
     quant_gemm_f32_min_rows: Callable[[int], int]
+    quant_gemm_f32_set: Callable[[int], int]
     dequantize_quant: Callable[..., int]
     # Q4_K / Q8_0 / Q5_0 / Q4_0 rows to their 8-row interleaved format (csrc/quant_r8.c) and
     # back, the interleaved format's code first
@@ -391,6 +393,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         quant_gemm=_function(lib, "ae_quant_gemm"),  # type: ignore[arg-type]
         quant_gemm_min_rows=_function(lib, "ae_quant_gemm_min_rows"),  # type: ignore[arg-type]
         quant_gemm_f32_min_rows=_function(lib, "ae_quant_gemm_f32_min_rows"),  # type: ignore[arg-type]
+        quant_gemm_f32_set=_function(lib, "ae_quant_gemm_f32_set"),  # type: ignore[arg-type]
         dequantize_quant=_function(lib, "ae_dequantize_quant"),  # type: ignore[arg-type]
         repack_r8=_function(lib, "ae_repack_r8"),  # type: ignore[arg-type]
         unpack_r8=_function(lib, "ae_unpack_r8"),  # type: ignore[arg-type]

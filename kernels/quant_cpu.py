@@ -225,8 +225,16 @@ def gemm_min_rows(qtype: str) -> int:
 def gemm_f32_min_rows(qtype: str) -> int:
     """From how many rows the panel GEMM multiplies `qtype` weights dequantized to fp32 by
     the activations as they are (not quantized to int8 blocks), on the path in effect: Q8_0
-    on the AVX2 path (`csrc/quant_gemm_f32.c`); 0 elsewhere."""
+    on the AVX2 path where that is on (`set_gemm_f32`; `csrc/quant_gemm_f32.c`); 0
+    elsewhere."""
     return int(_kernels().quant_gemm_f32_min_rows(quant_format(qtype).code))
+
+
+def set_gemm_f32(on: bool | None) -> bool:
+    """Turn the AVX2 path's fp32 product of many-row Q8_0 products on or off for this
+    process (None: the CPU's default, on for cores with 128-bit vector units: AMD Zen 1 and
+    Zen+); returns whether it is on."""
+    return bool(_kernels().quant_gemm_f32_set(-1 if on is None else int(on)))
 
 
 def _set_path(lib: NativeKernels, name: str | None) -> str:

@@ -196,8 +196,11 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
                   int num_threads);
 int ae_quant_gemm_min_rows(int fmt);
 /* quant_gemm_f32.c: from how many rows ae_quant_gemm multiplies format fmt's weights
- * dequantized to fp32 by x unquantized, on the path in effect (0: never; AVX2's Q8_0) */
+ * dequantized to fp32 by x unquantized, on the path in effect (0: never; AVX2's Q8_0 where
+ * turned on); ae_quant_gemm_f32_set turns that on (1), off (0) or to the CPU's default (-1)
+ * for the process, or (-2) changes nothing; returns whether it is on. */
 int ae_quant_gemm_f32_min_rows(int fmt);
+int ae_quant_gemm_f32_set(int on);
 
 /* quant_r8.c: the file's rows [N][K / values * bytes] of the format interleaved format fmt
  * (8-12) is made from (Q4_K, Q8_0, Q5_0, Q4_0, Q6_K) in fmt's layout and back, the same number of

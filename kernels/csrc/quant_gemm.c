@@ -516,8 +516,9 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
 #endif
 #ifdef HAVE_GEMM_AVX2
     if (path == AE_QUANT_PATH_AVX2 && !AE_QUANT_IS_R8(fmt)) panel_fn = ae_gemm_panel_avx2;
-    /* Q8_0 from AE_GEMM_F32_ROWS rows: fp32 FMAs (quant_gemm_f32.c) */
-    if (path == AE_QUANT_PATH_AVX2 && fmt == AE_QUANT_Q8_0 && M >= AE_GEMM_F32_ROWS)
+    /* AVX2's Q8_0 on cores that run it faster in fp32 FMAs (quant_gemm_f32.c) */
+    const int f32_rows = ae_quant_gemm_f32_min_rows(fmt);
+    if (f32_rows > 0 && M >= f32_rows)
         return ae_quant_gemm_f32(x, dt, x_st, M, w, N, K, bias, out, o_st, num_threads);
 #endif
     if (panel_fn == NULL) return -3;

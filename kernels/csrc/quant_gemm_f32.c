@@ -8,7 +8,8 @@
  * 2 * 128 * 127) leave no room to add two groups before widening them to int32: an extra
  * sign and a widening per 4 values, where the 4- and 5-bit formats widen once per 16-32. On
  * an AVX2-only Zen 1 (one thread, 2048 x 2048 from L3, 64 rows of x) that tile ran 13.1
- * multiply-adds per ns, the fp32 FMAs of linear_dense.c 18.3 and Q5_0's tile 23.4.
+ * multiply-adds per ns, the fp32 FMAs of linear_dense.c 18.3 and Q5_0's tile 23.4. Taken on
+ * such cores only (half_width_vectors, below), or where ae_quant_gemm_f32_set says.
  *
  * Layout: x's rows, widened to fp32, in blocks of XB = 16 rows, k-major within a block (16
  * floats per k: two ymm), so that a register block runs 16 rows of x against NB = 4 weight
@@ -31,6 +32,7 @@
 #include "quant_gemm.h"
 
 #ifdef HAVE_GEMM_AVX2
+#include <cpuid.h>
 #include <immintrin.h>
 
 #define PANEL GEMM_PANEL
@@ -223,12 +225,39 @@ int ae_quant_gemm_f32(const void *x, int dt, int64_t x_st, int64_t M, const void
     return 0;
 }
 
+/* Whether this CPU's cores run 256-bit vectors as two 128-bit halves: AMD family 17h before
+ * model 30h (Zen 1, Zen+), whose one vector integer multiply pipe bounds the integer GEMM's
+ * Q8_0 tile where its two FMA pipes run the fp32 product 1.25-1.32x faster (above). On cores
+ * with whole 256-bit units the two measured about level (Zen 4 on its AVX2 path: the integer
+ * tile at ~15 multiply-adds a cycle, fp32 FMAs at most 16), so they keep the integer GEMM. */
+static int half_width_vectors(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541) return 0; /* "AuthenticAMD" */
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned family = ((a >> 8) & 0xf) + ((a >> 20) & 0xff);
+    const unsigned model = ((a >> 4) & 0xf) | ((a >> 12) & 0xf0);
+    return family == 0x17 && model < 0x30;
+}
+
+static int f32_on = -1; /* -1: not decided yet (the CPU's default at the first call) */
+
+int ae_quant_gemm_f32_set(int on) {
+    if (on >= 0) f32_on = on > 0;
+    else if (on == -1 || f32_on < 0) f32_on = half_width_vectors();
+    return f32_on;
+}
+
 int ae_quant_gemm_f32_min_rows(int fmt) {
-    return fmt == AE_QUANT_Q8_0 && ae_quant_set_path(-2) == AE_QUANT_PATH_AVX2 ? AE_GEMM_F32_ROWS
-                                                                              : 0;
+    const int avx2 = ae_quant_set_path(-2) == AE_QUANT_PATH_AVX2;
+    return fmt == AE_QUANT_Q8_0 && avx2 && ae_quant_gemm_f32_set(-2) ? AE_GEMM_F32_ROWS : 0;
 }
 
 #else
+
+int ae_quant_gemm_f32_set(int on) {
+    (void)on;
+    return 0;
+}
 
 int ae_quant_gemm_f32_min_rows(int fmt) {
     (void)fmt;

@@ -2,12 +2,14 @@
 (csrc/quant_gemm_avx2.c, and csrc/quant_gemm_f32.c for Q8_0 from 16 rows): every format each
 path runs, on awkward shapes (rows through the tiles' remainders, weight rows past the 32-row
 panels and their 16-row halves, one and several blocks), each dtype, with and without a bias,
-against the product of the same int8 activations (AVX2's Q8_0 from 16 rows: the activations as
-they are) and the dequantized weight in float64; and which products take it."""
+against the product of the same int8 activations (AVX2's Q8_0 from 16 rows where the fp32
+product is on: the activations as they are) and the dequantized weight in float64; and which
+products take it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,7 @@ GEMM_PATHS = [pytest.param("avx512_vnni", marks=vnni), pytest.param("avx2", mark
 def _best_path_after() -> Iterator[None]:
     yield
     quant_cpu.set_path(None)
+    quant_cpu.set_gemm_f32(None)
 
 
 def _exact(
@@ -165,22 +168,43 @@ def test_quant_linear_keeps_many_rows_on_the_int8_gemm(monkeypatch: pytest.Monke
     assert calls == [64]
 
 
+def _half_width_vectors() -> bool:
+    """Whether /proc/cpuinfo names an AMD family 17h core before model 30h (Zen 1, Zen+)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines()[:30])
+    )
+    return (
+        fields.get("vendor_id") == "AuthenticAMD"
+        and fields.get("cpu family") == "23"
+        and int(fields.get("model", "0")) < 0x30
+    )
+
+
 @avx2
-def test_avx2_q8_0_takes_fp32_from_16_rows() -> None:
-    """On the AVX2 path Q8_0 products of 16 rows and more multiply the dequantized weight by
-    x as it is, in fp32 (csrc/quant_gemm_f32.c): 15 rows match the int8 activations' product,
-    16 and 50 rows the unquantized one, up to fp32 rounding. No other format or path does."""
+def test_avx2_q8_0_takes_fp32_from_16_rows_where_turned_on() -> None:
+    """With set_gemm_f32 on (the default on Zen 1 / Zen+ only), AVX2's Q8_0 products of 16 rows
+    and more multiply the dequantized weight by x as it is, in fp32 (csrc/quant_gemm_f32.c):
+    15 rows match the int8 activations' product, 16 and 50 rows the unquantized one, up to
+    fp32 rounding. No other format or path does, nor Q8_0 with it off."""
     quant_cpu.set_path("avx2")
+    assert quant_cpu.set_gemm_f32(None) == _half_width_vectors()
+    assert quant_cpu.set_gemm_f32(False) is False
+    assert gemm_f32_min_rows("q8_0") == 0
+    assert quant_cpu.set_gemm_f32(True) is True
     assert gemm_f32_min_rows("q8_0") == 16
     assert all(gemm_f32_min_rows(q) == 0 for q in FORMATS if q != "q8_0")
     generator = torch.Generator().manual_seed(6)
     qweight = random_blocks("q8_0", 70, 1024, generator)  # 3 panels, the last of 6 rows
+    w = dequantize(qweight, "q8_0").double()
     for m in (15, 16, 50):
         wide = torch.randn(m, 1056, generator=generator).to(torch.bfloat16)
         x = wide[:, 32:] if m == 50 else wide[:, :1024]  # 50: rows with their own stride
         qs, d = quantize_rows_q8_torch(x.float(), QK)
         xq = (qs.double().unflatten(1, (-1, QK)) * d.double()[..., None]).flatten(1)
-        w = dequantize(qweight, "q8_0").double()
         exact = (x.double() if m >= 16 else xq) @ w.T
         magnitude = (x.double() if m >= 16 else xq).abs() @ w.abs().T
         out = linear_quant_cpu(x, qweight, "q8_0").double()
@@ -190,6 +214,18 @@ def test_avx2_q8_0_takes_fp32_from_16_rows() -> None:
         # the int8 activations' product is off by more than that (the test tells them apart)
         other = (xq if m >= 16 else x.double()) @ w.T
         assert (other - exact).abs().max() > 10 * (2.0**-16 * magnitude).max()
+    # awkward shapes (row blocks of 16 and chunks of 256 values with remainders), each dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for m, n, k in [(16, 35, 32), (23, 70, 96), (37, 5, 288), (40, 33, 1056)]:
+            qweight = random_blocks("q8_0", n, k, generator)
+            x = torch.randn(m, k, generator=generator).to(dtype)
+            bias = (torch.randn(n, generator=generator) * 3).to(dtype) if m % 2 else None
+            exact, magnitude = _exact(x, qweight, "q8_0", bias)
+            out = quant_gemm_cpu(x, qweight, "q8_0", bias)
+            rounding = torch.finfo(dtype).eps * exact.abs() if dtype != torch.float32 else 0.0
+            assert torch.all((out.double() - exact).abs() <= 2.0**-16 * magnitude + rounding)
+    quant_cpu.set_gemm_f32(False)
+    assert gemm_f32_min_rows("q8_0") == 0
     for path in ("scalar", *(p for p in ("avx512_vnni",) if _path_here(p))):
         quant_cpu.set_path(path)
-        assert gemm_f32_min_rows("q8_0") == 0
+        assert quant_cpu.set_gemm_f32(True) and gemm_f32_min_rows("q8_0") == 0
