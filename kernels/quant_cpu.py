@@ -1,7 +1,7 @@
 """Linear layers over GGUF's block-quantized weights on CPU: the native kernels
 (`csrc/quant_legacy.c` for the blocks of 32, `csrc/quant_kquants.c` for the K-quants, and
-`csrc/quant_gemm.c` and `csrc/quant_gemm_avx2.c` for many rows), a torch reference, and
-quantizers for tests.
+`csrc/quant_gemm.c`, `csrc/quant_gemm_avx2.c` and, for Q8_0 on some AVX2 cores,
+`csrc/quant_gemm_f32.c` for many rows), a torch reference, and quantizers for tests.
 
 A weight [N, K] is kept as a GGUF file stores it, a uint8 tensor [N, K / values * block bytes]
 of whole blocks (the formats: `quant_formats`), so a tensor can be read in place from the
