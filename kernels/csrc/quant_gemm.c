@@ -516,16 +516,18 @@ int ae_quant_gemm(int fmt, int dt, const void *x, int64_t x_st, int64_t M, const
 #endif
 #ifdef HAVE_GEMM_AVX2
     if (path == AE_QUANT_PATH_AVX2 && !AE_QUANT_IS_R8(fmt)) panel_fn = ae_gemm_panel_avx2;
-    /* AVX2's Q8_0 on cores that run it faster in fp32 FMAs (quant_gemm_f32.c) */
-    const int f32_rows = ae_quant_gemm_f32_min_rows(fmt);
-    if (f32_rows > 0 && M >= f32_rows)
-        return ae_quant_gemm_f32(x, dt, x_st, M, w, N, K, bias, out, o_st, num_threads);
 #endif
     if (panel_fn == NULL) return -3;
     const struct gemm_fmt fi = FMT[fmt];
     if (AE_QUANT_IS_R8(fmt) && N % 8) return -2;
     if (K <= 0 || K % fi.values) return -2;
     if (M <= 0 || N <= 0) return 0;
+#ifdef HAVE_GEMM_AVX2
+    /* AVX2's Q8_0 on cores that run it faster in fp32 FMAs (quant_gemm_f32.c) */
+    const int f32_rows = ae_quant_gemm_f32_min_rows(fmt);
+    if (f32_rows > 0 && M >= f32_rows)
+        return ae_quant_gemm_f32(x, dt, x_st, M, w, N, K, bias, out, o_st, num_threads);
+#endif
     const int64_t nb32 = K / 32, S = K / fi.sub, panels = (N + PANEL - 1) / PANEL;
     /* AVX2 multiplies Q8_0's signed values as they are (vpsignb), with no offset */
     const int offset = path == AE_QUANT_PATH_AVX2 && fmt == AE_QUANT_Q8_0 ? 0 : fi.offset;

@@ -168,11 +168,22 @@ static inline void gemm_unpack_chunk(gemm_unpack_fn unpack, const struct gemm_jo
     }
 }
 
+#ifdef HAVE_GEMM_AVX2
+#include <immintrin.h>
+/* The fp16 scale at p (a block's d or m), widened: for the AVX2 files (F16C). */
+static inline float gemm_f16_at(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+}
+#endif
+
 /* Panel p of the job on AVX2 (quant_gemm_avx2.c): an ae_pool_fn. Formats 0-7 and 13 only. */
 void ae_gemm_panel_avx2(const void *ctx, int64_t p, const struct ae_commit *commit);
 
 /* ae_quant_gemm's Q8_0 product on AVX2 in fp32 (quant_gemm_f32.c), which it runs from
- * AE_GEMM_F32_ROWS rows: the same arguments and returns, x's values as they are. Below, the
+ * AE_GEMM_F32_ROWS rows once it has checked the shape (K a positive multiple of 32, M and N
+ * positive): the same arguments and returns, x's values as they are. Below, the
  * dequantizing per row cost more than the FMAs gained (2 threads of Zen 1, 2048 x 2048: 16.0
  * multiply-adds per ns against the integer GEMM's 22.8 at 10 rows, 25.9 against 24.1 at 16). */
 #define AE_GEMM_F32_ROWS 16

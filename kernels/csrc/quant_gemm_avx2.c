@@ -34,12 +34,6 @@
 #define GROUP 64 /* bytes of a half panel per 4 values: HALF x 4 */
 #define TILE_R 2 /* rows of x per tile: 2 x 2 vectors of fp32, int32 and int16 sums */
 
-static inline float f16_at(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return _cvtsh_ss(v);
-}
-
 /* 32 bytes, 16 where bit j of qh is set for byte j (Q5_0 and Q5_1's fifth bits). */
 static ALWAYS_INLINE __m256i fifth_bits(uint32_t qh) {
     const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
@@ -59,11 +53,11 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     const __m256i m4 = _mm256_set1_epi8(15);
     switch (fmt) {
     case 0: /* Q8_0: d, qs[32] */
-        sc[0] = f16_at(b);
+        sc[0] = gemm_f16_at(b);
         memcpy(u, b + 2, 32);
         break;
     case AE_QUANT_Q5_0_BYTES: /* d, qs[32]: q - 16, unpacked as Q5_0's q */
-        sc[0] = f16_at(b);
+        sc[0] = gemm_f16_at(b);
         _mm256_storeu_si256((__m256i *)u,
                             _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(b + 2)),
                                             _mm256_set1_epi8(16)));
@@ -73,8 +67,8 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     case 3:   /* Q5_0: d, qh, qs[16] */
     case 4: { /* Q5_1: d, m, qh, qs[16]; low nibbles elements 0-15, high ones 16-31 */
         const int m = fmt == 2 || fmt == 4, h = fmt == 3 || fmt == 4;
-        sc[0] = f16_at(b);
-        if (m) mn[0] = f16_at(b + 2);
+        sc[0] = gemm_f16_at(b);
+        if (m) mn[0] = gemm_f16_at(b + 2);
         const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2 + 2 * m + 4 * h));
         __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
         if (h) {
@@ -87,7 +81,7 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     }
     case 5:   /* Q4_K: d, dmin, the 12 scale bytes, qs[128] */
     case 6: { /* Q5_K: the same with qh[32] before qs */
-        const float d = f16_at(b), dmin = f16_at(b + 2);
+        const float d = gemm_f16_at(b), dmin = gemm_f16_at(b + 2);
         uint8_t s[8], mins[8];
         k4_scales(b + 4, s, mins);
         for (int j = 0; j < 8; j++) {
@@ -116,7 +110,7 @@ static ALWAYS_INLINE void unpack_block(const int fmt, const uint8_t *restrict b,
     }
     default: { /* Q6_K: ql[128], qh[64], scales[16] (int8), d; 16-value group t's scale is t's */
         const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = f16_at(b + 208);
+        const float d = gemm_f16_at(b + 208);
         for (int t = 0; t < 16; t++) sc[t] = d * (float)scales[t];
         const __m256i m2 = _mm256_set1_epi8(0x30); /* a high pair at bits 4-5 */
         for (int h = 0; h < 2; h++) { /* as kquant_blocks.h's unpack_sb */

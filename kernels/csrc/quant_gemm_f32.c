@@ -52,12 +52,6 @@ struct f32_job {
     int dt;
 };
 
-static inline float f16_at(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return _cvtsh_ss(v);
-}
-
 /* Rows n0 .. n0 + cols - 1, values k0 .. k0 + kc, dequantized into wf (row c at c * kc). */
 static void dequant_chunk(const struct f32_job *j, int64_t n0, int64_t cols, int64_t k0,
                           int64_t kc, float *restrict wf) {
@@ -66,7 +60,7 @@ static void dequant_chunk(const struct f32_job *j, int64_t n0, int64_t cols, int
         const uint8_t *b = j->w + (n0 + c) * row_bytes + k0 / 32 * 34;
         float *dst = wf + c * kc;
         for (int64_t i = 0; i < kc / 32; i++, b += 34, dst += 32) {
-            const __m256 d = _mm256_set1_ps(f16_at(b));
+            const __m256 d = _mm256_set1_ps(gemm_f16_at(b));
             for (int e = 0; e < 4; e++) {
                 const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * e));
                 _mm256_storeu_ps(dst + 8 * e,
@@ -196,8 +190,6 @@ static void widen_blocks(const void *x, int dt, int64_t x_st, int64_t M, int64_t
 
 int ae_quant_gemm_f32(const void *x, int dt, int64_t x_st, int64_t M, const void *w, int64_t N,
                       int64_t K, const void *bias, void *out, int64_t o_st, int num_threads) {
-    if (K <= 0 || K % 32) return -2;
-    if (M <= 0 || N <= 0) return 0;
     const int64_t panels = (N + PANEL - 1) / PANEL;
     /* rows per pass over the weights: whole blocks, about CHUNK_BYTES of fp32 x */
     int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float));
