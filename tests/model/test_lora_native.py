@@ -43,8 +43,8 @@ def _run(model: Path, adapters: dict[str, Path], names: list[str | None]) -> Run
     prompts = [torch.randint(4, 500, (3 + 7 * i,), generator=g).tolist() for i in range(len(names))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(
-        model, dtype="bfloat16", enable_lora=True, max_loras=len(adapters), max_lora_rank=64,
-        max_num_batched_tokens=32, num_kv_blocks=64,
+        model, device="cpu", dtype="bfloat16", enable_lora=True, max_loras=len(adapters),
+        max_lora_rank=64, max_num_batched_tokens=32, num_kv_blocks=64,
     )  # fmt: skip
     try:
         for name, path in adapters.items():
