@@ -82,7 +82,7 @@ def test_native_kernel_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         # Reports to files: a report on stderr dies with the child pytest's capture of it
         # when the sanitizer ends the process.
         # No fake stack frames (use-after-return checks, on by default since GCC 13's libasan):
-        # GCC 13.2 places 64-byte vector locals misaligned in them, and an AVX-512 build then
+        # GCC 13.3 places 64-byte vector locals misaligned in them, and an AVX-512 build then
         # faults on its aligned moves (seen in argmax.c's fp16 load on an H200 machine's CPU).
         ASAN_OPTIONS=f"detect_leaks=0:detect_stack_use_after_return=0:log_path={tmp_path / 'asan'}",
         CUDA_VISIBLE_DEVICES="",
