@@ -16,9 +16,11 @@ readings in a row, so a passing burst does not flap it. Linux only; elsewhere it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +92,29 @@ class ThreadGovernor:
                 busy_ticks += sum(values[:3]) + sum(values[5:8])
         times = os.times()
         return time.monotonic(), busy_ticks / _CLOCK_TICKS, times.user + times.system
+
+
+@contextlib.contextmanager
+def fixed_threads(threads: int | None) -> Iterator[None]:
+    """torch's thread count on this thread (which the native kernels follow) at `threads`
+    while the block runs, then back to what it was; None: left alone.
+
+    For a user's `num_threads` where the engine runs its model in an application's process
+    (`LLM`, an in-process `AsyncLLM`): the engine's steps use that many, and the
+    application's own count, which the engine has no business changing, is back between them.
+    In the engine's own processes the count is set once at start (a no-op here).
+    """
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.cpu_threads import ThreadGovernor
+from asyncengine.core.cpu_threads import ThreadGovernor, fixed_threads
 from asyncengine.executor.factory import executor_class
 from asyncengine.ipc.messages import CoreLoad, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from asyncengine.lora.peft_folder import check_peft_folder
@@ -42,6 +42,13 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
+        # A user's num_threads on CPU, held around everything that computes on this thread.
+        self._threads = _user_threads(config)
+        with fixed_threads(self._threads):
+            self._build(config)
+        logger.info("engine core ready in %.2f s", time.monotonic() - start)
+
+    def _build(self, config: EngineConfig) -> None:
         self.executor = executor_class(config)(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
@@ -72,7 +79,6 @@ class EngineCore:
             self.scheduler.lora_slots = LoRASlots(config.lora_config.max_loras)
         # An executor that fills grammar bitmasks beside the forward pass gets them deferred.
         self.scheduler.defer_grammar_fill = self.executor.overlaps_grammar_fill
-        logger.info("engine core ready in %.2f s", time.monotonic() - start)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -102,7 +108,8 @@ class EngineCore:
         start = time.perf_counter()
         # A grammar bitmask left to the executor (computed beside the forward pass), or None.
         grammar_fill = self.scheduler.take_grammar_fill()
-        runner_output = self.executor.execute_model(scheduler_output, grammar_fill)
+        with fixed_threads(self._threads):
+            runner_output = self.executor.execute_model(scheduler_output, grammar_fill)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
@@ -219,6 +226,13 @@ class EngineCore:
         finally:
             if self.scheduler.structured_outputs is not None:
                 self.scheduler.structured_outputs.shutdown()
+
+
+def _user_threads(config: EngineConfig) -> int | None:
+    """The user's `num_threads` where the model computes on CPU, else None."""
+    if config.device_config.device != "cpu":
+        return None
+    return config.parallel_config.num_threads
 
 
 def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:

@@ -31,20 +31,17 @@ def engine_core(proc: subprocess.Popen[bytes]) -> psutil.Process:
     return cores[0]
 
 
-def assert_exits_0_and_leaves_nothing(proc: subprocess.Popen[bytes], log: Path) -> float:
-    """SIGTERM; the seconds it took to exit 0, with every descendant gone."""
+def assert_exits_0_and_leaves_nothing(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """SIGTERM; it exits 0 within 10 s (the default drain is 5 s), every descendant gone."""
     descendants = psutil.Process(proc.pid).children(recursive=True)
-    start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
         returncode = proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pytest.fail(f"serve did not exit within 10 s of SIGTERM:\n{log.read_text()}")
-    elapsed = time.monotonic() - start
     assert returncode == 0, log.read_text()
     _, alive = psutil.wait_procs(descendants, timeout=5)
     assert not alive, f"left behind: {alive}"
-    return elapsed
 
 
 def test_sigterm_drains_streams_and_exits_0(chat_model: Path, tmp_path: Path) -> None:
@@ -52,7 +49,7 @@ def test_sigterm_drains_streams_and_exits_0(chat_model: Path, tmp_path: Path) ->
     with serve(chat_model, log) as (proc, url):
         streams = BackgroundStreams(url, 4, max_tokens=480)
         streams.started()
-        elapsed = assert_exits_0_and_leaves_nothing(proc, log)
+        assert_exits_0_and_leaves_nothing(proc, log)
         streams.join()
         results = streams.results
     # Each stream in flight was let finish (the default drain is 5 s): complete and well-formed.
@@ -61,7 +58,6 @@ def test_sigterm_drains_streams_and_exits_0(chat_model: Path, tmp_path: Path) ->
         events = parse_sse(raw)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert "".join(e["choices"][0]["text"] for e in events[:-1])
-    assert elapsed < 10
     assert "Finished server process" in log.read_text()
 
 
@@ -121,7 +117,6 @@ def test_a_taken_port_fails_before_the_engine_loads(tiny_llama: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "asyncengine.entrypoints.cli", "serve", str(tiny_llama),
              "--port", str(port), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64"],
@@ -129,4 +124,5 @@ def test_a_taken_port_fails_before_the_engine_loads(tiny_llama: Path) -> None:
         )  # fmt: skip
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
-    assert time.monotonic() - start < 10  # no engine was started
+    # The engine starts in the app's lifespan, which never began.
+    assert "application startup" not in proc.stderr
