@@ -21,6 +21,7 @@ same as transformers' path: the same casts, the same GEMMs, the same rotary tabl
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from asyncengine.model.cpu_linear import PackedLinear, linear_layer, packs
 from asyncengine.model.lean_layer import LeanLayer
 from asyncengine.model.quant_linear import int8_linear
 from asyncengine.model.rope import RopeSpec, RotaryEmbedding
+from asyncengine.model.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,11 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
         def maybe(name: str) -> torch.Tensor | None:  # a bias or head norm the model has
             return keep(name) if name in expected else None
 
-        make = _int8_layer if model_config.quantization == "int8" else linear_layer
+        # the weights the products read, side by side (model/weight_arena.py)
+        arena = WeightArena()
+        make: Any = functools.partial(linear_layer, arena=arena)
+        if model_config.quantization == "int8":
+            make = functools.partial(_int8_layer, arena=arena)
         layers = []
         for i in range(model_config.num_layers):
             layers.append(_load_layer(plan, i, get, keep, maybe, make))
@@ -111,7 +117,7 @@ def load_cpu_forward(model_config: ModelConfig) -> CpuForward:
             release_free_heap()
         embed_name = "model.embed_tokens.weight"
         table = get(embed_name) if plan.tied else None  # a view of the file where get packs
-        lm_head = linear_layer(get("lm_head.weight") if table is None else table, None)
+        lm_head = linear_layer(get("lm_head.weight") if table is None else table, None, arena)
         native = lm_head.native if isinstance(lm_head, PackedLinear) else None
         # A tied lookup gathers from the lm_head's packed copy where it can (no plain copy
         # of the table: 272 MB at Qwen2.5-0.5B's shapes). Else it reads a plain table:
@@ -323,10 +329,12 @@ def _open_tensors(files: dict[str, Path]) -> Iterator[_Tensors]:
         yield _Tensors(files, stack)
 
 
-def _int8_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
-    """`quantization="int8"`: the projection quantized per output channel (int8_linear),
-    or as it is where its K is not a multiple of 32."""
-    return int8_linear(weight, bias) or linear_layer(weight, bias)
+def _int8_layer(
+    weight: torch.Tensor, bias: torch.Tensor | None, arena: WeightArena
+) -> torch.nn.Module:
+    """`quantization="int8"`: the projection quantized per output channel (int8_linear, its
+    blocks in the load's `arena`), or as it is where its K is not a multiple of 32."""
+    return int8_linear(weight, bias, arena) or linear_layer(weight, bias, arena)
 
 
 def _load_layer(

@@ -38,6 +38,7 @@ from asyncengine.kernels.linear_dense_cpu import (
     pack_dense,
     unpack_dense,
 )
+from asyncengine.model.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +146,20 @@ class DenseLinear(nn.Module):
 class NativeDenseLinear(nn.Module):
     """A bf16 linear layer on the native AVX2 kernel (kernels/linear_dense_cpu.py), for CPUs
     where oneDNN has no bf16 path. It holds the weight only in the kernel's packed layout
-    (`packed`, made once here); `weight` unpacks a plain copy for the rare caller that wants it."""
+    (`packed`, made once here, in `arena` where given); `weight` unpacks a plain copy for the
+    rare caller that wants it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, arena: WeightArena | None = None
+    ) -> None:
         super().__init__()
         lib = dense_kernels()
         assert lib is not None, "NativeDenseLinear needs the AVX2 build of the native kernels"
         self._lib = lib
         self.out_features, self.in_features = weight.shape
         # A plain attribute, outside the state dict (as PackedLinear's oneDNN weight).
-        self.packed = pack_dense(lib, weight.detach())
+        packed = pack_dense(lib, weight.detach())
+        self.packed = packed if arena is None else arena.copy(packed)
         self.bias = None if bias is None else bias.detach().contiguous()
 
     @property
@@ -179,15 +184,18 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype in _PACKABLE and _packing_works(dtype)
 
 
-def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+def linear_layer(
+    weight: torch.Tensor, bias: torch.Tensor | None, arena: WeightArena | None = None
+) -> nn.Module:
     """A linear layer over `weight` [out, in] and `bias`: packed where `pack_linear_layers`
-    would pack it, the native dense bf16 kernel where oneDNN lacks bf16 (AVX2 CPUs), plain
-    otherwise. Gives `F.linear(x, weight, bias)`'s numbers (up to the order of fp32 sums)."""
+    would pack it, the native dense bf16 kernel where oneDNN lacks bf16 (AVX2 CPUs; its panels
+    in the load's `arena` where given: model/weight_arena.py), plain otherwise. Gives
+    `F.linear(x, weight, bias)`'s numbers (up to the order of fp32 sums)."""
     dense = DenseLinear(weight, bias)
     if weight.device.type == "cpu" and packs(weight.dtype):
         return PackedLinear(dense)
     if _dense_native(weight):
-        return NativeDenseLinear(weight, bias)
+        return NativeDenseLinear(weight, bias, arena)
     return dense
 
 

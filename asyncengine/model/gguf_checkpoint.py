@@ -2,15 +2,15 @@
 as the file stores them.
 
 - Quantized weights stay quantized: `QuantLinear` over a copy of their blocks (next point),
-  or, with `ARENA_QUANTIZED` off, over a zero-copy view of the file's mapping (the view holds
-  the mapping, so it lives as long as the model). llama-arch files
+  or, with the arena off (`weight_arena.ENABLED`), over a zero-copy view of the file's
+  mapping (the view holds the mapping, so it lives as long as the model). llama-arch files
   store q/k rows permuted per head (llama.cpp's converter): those two tensors are copied with
   their rows (whole blocks) put back in HF order. On AVX512-VNNI, Q4_K, Q8_0, Q5_0, Q4_0 and
   Q6_K weights are copied 8 rows interleaved instead (`decode_layout`), the file's pages of them
   released.
 - Every quantized weight the products read is copied into one `WeightArena` of the load (the
-  weights side by side on huge pages, the file's pages released): a decode step's stream
-  through them takes far fewer TLB misses than over the file's 4 KiB pages (`ARENA_QUANTIZED`).
+  weights side by side on huge pages, the file's pages released): a decode step streams
+  through them faster than through the file's 4 KiB pages (`weight_arena.py`).
 - q/k/v and gate/up of one quantized type are joined into one layer each (their rows
   concatenated into a copy, the file's pages released): one product reads them as one stream
   with one handoff to the threads instead of three or two (SmolLM2 Q8_0 decode 6.16 -> 5.74 ms
@@ -54,9 +54,6 @@ _DEFAULT_EPS = 1e-6
 # q/k/v and gate/up weights of one quantized type are joined into one layer each (see
 # `_Loader.joint_linear`). Set to False to compare.
 JOIN_QUANTIZED = True
-# Every quantized weight the products read is copied into the load's WeightArena (side by side,
-# on huge pages), the file's pages of it released. Set to False to read them in place.
-ARENA_QUANTIZED = True
 
 
 def gguf_reason(model_config: ModelConfig) -> str | None:
@@ -127,7 +124,8 @@ class _Loader:
 
     def __init__(self, model: GGUFModel, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
-        self.arena = WeightArena() if ARENA_QUANTIZED else None
+        # the weights the products read, side by side (model/weight_arena.py)
+        self.arena = WeightArena()
 
     def get(self, name: str) -> GGUFTensor | None:
         return self.model.tensors.get(name)
@@ -157,18 +155,14 @@ class _Loader:
         of it released; a float weight's, its values in the engine's dtype."""
         b = None if bias is None else self.values(bias)
         if weight.ggml_type not in _QTYPES:
-            return linear_layer(self.values(weight), b)
+            return linear_layer(self.values(weight), b, self.arena)
         blocks, qtype = self.blocks(weight), _QTYPES[weight.ggml_type]
         copy, qtype = decode_layout(blocks, qtype)
-        copy = self._placed(copy)
+        copy = self.arena.copy(copy)
         if copy is not blocks:
             blocks = copy
             weight.release_pages()
         return QuantLinear(blocks, qtype, b)
-
-    def _placed(self, blocks: torch.Tensor) -> torch.Tensor:
-        """`blocks` copied into the arena (see ARENA_QUANTIZED), or as they are."""
-        return blocks if self.arena is None else self.arena.copy(blocks)
 
     def joint_linear(
         self, weights: list[GGUFTensor], biases: list[GGUFTensor | None]
@@ -185,7 +179,7 @@ class _Loader:
             return None
         blocks = torch.cat([self.blocks(w) for w in weights])
         blocks, qtype = decode_layout(blocks, _QTYPES[types.pop()])
-        blocks = self._placed(blocks)
+        blocks = self.arena.copy(blocks)
         for w in weights:
             w.release_pages()
         bias = None
@@ -227,7 +221,7 @@ def _load_layer(loader: _Loader, i: int, eps: float, head_dim: int, num_kv_heads
             [loader.values(w) for w in weights],
             [None if b is None else loader.values(b) for b in biases],
         )
-        return None if joined is None else linear_layer(*joined)
+        return None if joined is None else linear_layer(*joined, arena=loader.arena)
 
     def linear(name: str) -> nn.Module:
         return loader.linear(weight(name), bias(name))

@@ -31,6 +31,7 @@ from asyncengine.kernels.quant_cpu import (
     native_formats,
 )
 from asyncengine.kernels.quant_formats import dequantize, in_features, quant_format
+from asyncengine.model.weight_arena import WeightArena
 
 
 class QuantLinear(nn.Module):
@@ -154,13 +155,16 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, q.view(n, k // 32, 32)], dim=-1).reshape(n, -1)
 
 
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear | None:
+def int8_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, arena: WeightArena | None = None
+) -> QuantLinear | None:
     """A `QuantLinear` of `weight` [N, K] quantized by `quantize_int8_per_channel` (in the
-    layout the products read fastest here: `decode_layout`); None where K is not a multiple
-    of 32 (the layer stays as it is)."""
+    layout the products read fastest here: `decode_layout`; its blocks copied into `arena`
+    where given); None where K is not a multiple of 32 (the layer stays as it is)."""
     if weight.shape[1] % 32:
         return None
-    return QuantLinear(*decode_layout(quantize_int8_per_channel(weight), "q8_0"), bias)
+    qweight, qtype = decode_layout(quantize_int8_per_channel(weight), "q8_0")
+    return QuantLinear(qweight if arena is None else arena.copy(qweight), qtype, bias)
 
 
 # An interleaved table's lookup of more tokens than this dequantizes each group once (sorting

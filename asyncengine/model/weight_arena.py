@@ -3,9 +3,11 @@
 Why (AMD Zen 1, 2 cores, SmolLM2's Q8_0 GGUF file, one stream in process, 2026-11-30): read in
 place from the file's mapping (4 KiB pages of the page cache) and from separate heap copies
 (the joined projections), a decode step took 13.5-14.2 ms; with every quantized weight copied
-into one run of anonymous memory on 2 MiB pages, 11.6-12.5 ms. The weights of a layer's
-projections then lie next to each other on few pages, and a step's stream through them takes
-few TLB misses (docs/quantization.md, "Where the weights lie").
+into one run of anonymous memory on 2 MiB pages, 11.5-12.2 ms (the same run on 4 KiB pages,
+12.2-12.8). The bf16 model's packed panels (NativeDenseLinear, AVX2 CPUs): 15.9-16.6 against
+13.1-15.2 ms. Why, we can only guess (no counters in that VM): a layer's weights then lie on few
+pages, next to each other, so the step's stream crosses far fewer page boundaries, each a TLB
+miss and a restart of the hardware prefetchers (docs/quantization.md, "How it runs").
 
 Slices are 64-byte aligned and taken in order from chunks of CHUNK_BYTES (a weight over a
 quarter of that gets a mapping of its own). Each chunk is asked for transparent huge pages
@@ -22,6 +24,9 @@ from asyncengine.heap import huge_page_buffer
 
 CHUNK_BYTES = 32 << 20
 _ALIGN = 64
+# Set to False to compare: `copy` then returns the weight itself (read where it lies: the
+# file's mapping, its own allocation).
+ENABLED = True
 
 
 class WeightArena:
@@ -30,7 +35,10 @@ class WeightArena:
         self._used = 0
 
     def copy(self, weight: torch.Tensor) -> torch.Tensor:
-        """A copy of `weight` (contiguous, any dtype) in the arena, of the same shape."""
+        """A copy of `weight` (contiguous, any dtype) in the arena, of the same shape; `weight`
+        itself where the arena is off (ENABLED)."""
+        if not ENABLED:
+            return weight
         nbytes = weight.numel() * weight.element_size()
         out = self._take(nbytes).view(weight.dtype).view(weight.shape)
         out.copy_(weight)

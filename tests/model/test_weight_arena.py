@@ -47,7 +47,7 @@ def test_gguf_weights_load_into_the_arena_with_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: Q
 ) -> None:
     """Every QuantLinear's blocks lie outside the file's mapping (its pages released), and
-    greedy tokens equal those read in place (ARENA_QUANTIZED off)."""
+    greedy tokens equal those read in place (the arena off)."""
     from asyncengine.config import EngineConfig
     from asyncengine.gguf import read_gguf
     from asyncengine.model import gguf_checkpoint
@@ -72,6 +72,27 @@ def test_gguf_weights_load_into_the_arena_with_the_same_tokens(
     finally:
         model.close()
     in_arena = _greedy(tiny.path)
-    monkeypatch.setattr(gguf_checkpoint, "ARENA_QUANTIZED", False)
+    monkeypatch.setattr(weight_arena, "ENABLED", False)
     assert _greedy(tiny.path) == in_arena
     assert len(in_arena) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_folders_weights_give_the_same_tokens_in_the_arena(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
+    """bf16 (the AVX2 panels go into the arena) and int8 (its blocks do)."""
+    from asyncengine import LLM, SamplingParams
+
+    def greedy() -> list[list[int]]:
+        llm = LLM(tiny_llama, device="cpu", dtype="bfloat16", quantization=quantization)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+
+    in_arena = greedy()
+    monkeypatch.setattr(weight_arena, "ENABLED", False)
+    assert greedy() == in_arena
