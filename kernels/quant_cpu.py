@@ -415,12 +415,12 @@ def _repack_args(
             f"a {qtype} weight to repack is contiguous uint8 [N, K / {fmt.values} * "
             f"{fmt.nbytes}] with N a multiple of 8; got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    out = _weight_buffer(n, row_bytes)
+    out = weight_buffer(n, row_bytes)
     k = row_bytes // fmt.nbytes * fmt.values
     return out, (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
 
 
-def _weight_buffer(n: int, row_bytes: int) -> torch.Tensor:
+def weight_buffer(n: int, row_bytes: int) -> torch.Tensor:
     """uint8 [n, row_bytes] for a weight kept as long as the model: on huge pages where the
     system gives them (`heap.huge_page_buffer`)."""
     got = huge_page_buffer(n * row_bytes)

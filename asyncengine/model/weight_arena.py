@@ -11,7 +11,7 @@ miss and a restart of the hardware prefetchers (docs/quantization.md, "How it ru
 
 Slices are 64-byte aligned and taken in order from chunks of CHUNK_BYTES (a weight over a
 quarter of that gets a mapping of its own). Each chunk is asked for transparent huge pages
-(`heap.huge_page_buffer`; plain memory where the system has none or ASYNCENGINE_HUGE_PAGES=0)
+(`quant_cpu.weight_buffer`; plain memory where the system has none or ASYNCENGINE_HUGE_PAGES=0)
 and its pages are taken as the copies write them: a chunk's unused tail costs address space
 only. The slices keep their chunk alive; the arena itself is dropped after the load.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.heap import huge_page_buffer
+from asyncengine.kernels.quant_cpu import weight_buffer
 
 CHUNK_BYTES = 32 << 20
 _ALIGN = 64
@@ -57,8 +57,4 @@ class WeightArena:
 
 def _mapping(nbytes: int) -> torch.Tensor:
     """Fresh uint8 [nbytes] on huge pages where the system gives them, 2 MiB-aligned there."""
-    got = huge_page_buffer(nbytes)
-    if got is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    buffer, offset = got
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    return weight_buffer(1, nbytes).view(-1)
