@@ -124,7 +124,7 @@ SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
         _ptr, _i64, _ptr, _i64, _ptr, _i64,  # gate, up, out, each with its row stride
         _i64, _i64, _int,  # rows, n, threads
     )),
-    "ae_argmax_rows": (None, (
+    "ae_argmax_rows": (_i64, (  # -> rows holding a NaN
         _int,
         _ptr, _i64, _i64, _i64, _ptr, _int,  # x, row stride, rows, n, out (int64), threads
     )),
@@ -237,7 +237,7 @@ class NativeKernels:
     rms_norm: Callable[..., None]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
-    argmax_rows: Callable[..., None]
+    argmax_rows: Callable[..., int]
     apply_bitmask: Callable[..., None]
     linear_bf16: Callable[..., None]
     linear_silu_bf16: Callable[..., None]
@@ -366,7 +366,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> NativeKernels:
         rms_norm=_function(lib, "ae_rms_norm"),
         add_rms_norm=_function(lib, "ae_add_rms_norm"),
         silu_mul=_function(lib, "ae_silu_mul"),
-        argmax_rows=_function(lib, "ae_argmax_rows"),
+        argmax_rows=_function(lib, "ae_argmax_rows"),  # type: ignore[arg-type]
         apply_bitmask=_function(lib, "ae_apply_bitmask"),
         linear_bf16=_function(lib, "ae_linear_bf16"),
         linear_silu_bf16=_function(lib, "ae_linear_silu_bf16"),

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.argmax_cpu import argmax_cpu
+from asyncengine.kernels.argmax_cpu import argmax_cpu, argmax_nan_rows
 from asyncengine.kernels.lm_head_argmax_cpu import ARGMAX_MAX_ROWS, LmHeadArgmax
 from asyncengine.kernels.rms_norm_cpu import rms_norm_cpu
 from asyncengine.kernels.rotary_cpu import rotary_cpu
@@ -164,8 +164,12 @@ class CpuForward:
         else:
             assert self._embed_weight is not None
             residual = F.embedding(input_ids, self._embed_weight)
-        cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
-        cos, sin = cos[0], sin[0]
+        rows = getattr(self._rotary, "rows", None)  # RotaryEmbedding's table lookup
+        if rows is not None:
+            cos, sin = rows(positions, residual.dtype)  # [T, D] each
+        else:  # transformers' rotary module (a model built through transformers)
+            cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
+            cos, sin = cos[0], sin[0]
         if attn.backend.name != "cpu":  # the cache layout its rotary kernel writes
             raise ValueError(
                 f"CpuForward runs on the 'cpu' attention backend, not {attn.backend.name!r}"
@@ -184,9 +188,12 @@ class CpuForward:
                     residual.index_select(0, hidden_indices),
                 )
             )  # fmt: skip
-        # The last residual add and the final norm, on the sampled rows only.
-        rows_out = mlp_out.index_select(0, logits_indices)
-        rows_res = residual.index_select(0, logits_indices)
+        # The last residual add and the final norm, on the sampled rows only (a one-token
+        # step's row as it is: no copies).
+        rows_out, rows_res = mlp_out, residual
+        if mlp_out.shape[0] != 1 or logits_indices.shape[0] != 1:
+            rows_out = mlp_out.index_select(0, logits_indices)
+            rows_res = residual.index_select(0, logits_indices)
         hidden = rms_norm_cpu(rows_out, self._final_norm, self._final_eps, rows_res)
         screen, choice = self.lm_head_argmax, token_choice
         if choice is not None and screen is not None and len(hidden) <= self.token_choice_rows:
@@ -243,14 +250,13 @@ def pick_tokens(logits: torch.Tensor, choice: TokenChoice) -> torch.Tensor | Non
     (Sampler._sample) on the same noise, so bit for bit its picks. None where a row holds a
     NaN logit (argmax ranks NaN first; the sampler then fails that request alone)."""
     x = logits[:, : choice.vocab_size]
-    tokens = argmax_cpu(x)  # [S]
-    if choice.temperatures is not None and choice.noise is not None:
-        x = x.float()
-        temps = choice.temperatures
-        scores = (x / temps.unsqueeze(1)).add_(choice.noise[:, : choice.vocab_size])
-        tokens = torch.where(temps == 0, tokens, argmax_cpu(scores))
-    if x.gather(1, tokens[:, None]).isnan().any():
+    tokens, nan_rows = argmax_nan_rows(x)  # [S]
+    if nan_rows:
         return None
+    if choice.temperatures is not None and choice.noise is not None:
+        temps = choice.temperatures
+        scores = (x.float() / temps.unsqueeze(1)).add_(choice.noise[:, : choice.vocab_size])
+        tokens = torch.where(temps == 0, tokens, argmax_cpu(scores))
     return tokens
 
 

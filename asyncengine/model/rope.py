@@ -92,6 +92,12 @@ def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# RotaryEmbedding.rows' tables: the first one's rows, and the most (32,768 positions of a
+# 128-wide head are 32 MB for cos and sin together in fp32, 16 MB in bf16).
+TABLE_MIN_ROWS = 4096
+TABLE_MAX_ROWS = 32768
+
+
 class RotaryEmbedding:
     """`(x, position_ids [B, T]) -> (cos, sin)`, each [B, T, head_dim] in x's dtype.
 
@@ -106,6 +112,27 @@ class RotaryEmbedding:
         if freq_factors is not None:
             self.inv_freq = self.inv_freq / freq_factors.float()
         self.attention_scaling = 1.0
+        # cos and sin of positions 0 .. len - 1 by dtype, [len, head_dim] each: see `rows`
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] in `dtype` for `positions` [T] (CPU): rows of tables made by
+        `__call__` for positions 0 .. n - 1, so the same numbers (each value is computed on
+        its own), in two lookups instead of `__call__`'s nine ops (~0.1 ms of a one-stream
+        decode step of a small model). A table grows to twice the highest position asked, up
+        to TABLE_MAX_ROWS; a step past that computes its rows as `__call__` does."""
+        top = int(positions.max()) if positions.numel() else 0
+        if top >= TABLE_MAX_ROWS:
+            cos, sin = self(torch.empty(0, dtype=dtype), positions[None])
+            return cos[0], sin[0]
+        table = self._tables.get(dtype)
+        if table is None or top >= table[0].shape[0]:
+            size = min(TABLE_MAX_ROWS, max(TABLE_MIN_ROWS, 2 * (top + 1)))
+            cos, sin = self(torch.empty(0, dtype=dtype), torch.arange(size)[None])
+            table = self._tables[dtype] = (cos[0], sin[0])
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def __call__(
         self, x: torch.Tensor, position_ids: torch.Tensor

@@ -56,8 +56,8 @@ void ae_silu_mul(int dt, const void *gate, int64_t g_st, const void *up, int64_t
                  int64_t o_st, int64_t rows, int64_t n, int num_threads);
 
 /* argmax.c */
-void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
-                    int num_threads);
+int64_t ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n,
+                       int64_t *out, int num_threads);
 
 /* bitmask.c */
 void ae_apply_bitmask(int dt, void *x, int64_t x_st, const int64_t *rows, int64_t n_rows,

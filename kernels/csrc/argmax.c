@@ -38,8 +38,9 @@ static inline void load16_avx2(const char *p, int dt, __m256 v[2]) {
 }
 #endif
 
-/* argmax of one row of n fp32-widened values at p (dtype dt): see ae_argmax_rows. */
-static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
+/* argmax of one row of n fp32-widened values at p (dtype dt): see ae_argmax_rows; *has_nan
+ * set to whether the row holds a NaN. */
+static inline int64_t argmax_row(const char *p, int64_t n, int dt, int *has_nan) {
     const int64_t es = elem_size(dt);
     int64_t i = 0;
     float m = -INFINITY;
@@ -81,6 +82,7 @@ static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
             nan |= chunk[t] != chunk[t];
         }
     }
+    *has_nan = nan;
     int64_t j = 0;
 #ifdef __AVX512F__
     const __m512 target = _mm512_set1_ps(m);
@@ -113,7 +115,8 @@ static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
 
 /*
  * out[r] = argmax of row r (n values, row stride x_st elements), as torch.argmax: the first
- * index of the maximum, or of the first NaN when the row has one.
+ * index of the maximum, or of the first NaN when the row has one. Returns how many rows hold
+ * a NaN (a sampler fails those requests: the caller needs no second pass to find them).
  *
  * Up to AE_POOL_MAX_ROWS rows (a decode step on linear.c's pool) run in the calling thread:
  * an OpenMP team's idle thread spins for milliseconds after its region ends, on a core the
@@ -121,18 +124,22 @@ static inline int64_t argmax_row(const char *p, int64_t n, int dt) {
  * greedy decode step, whose argmax follows its quantized lm_head, 32.0-32.4 ms with the
  * region, 27.1-29.2 without), and a row is one thread's work anyway (~20 us at 128k values).
  */
-void ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n, int64_t *out,
-                    int num_threads) {
+int64_t ae_argmax_rows(int dt, const void *x, int64_t x_st, int64_t rows, int64_t n,
+                       int64_t *out, int num_threads) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    int64_t nan_rows = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : nan_rows) \
     if (rows > AE_POOL_MAX_ROWS && rows * n >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * x_st * es;
+        int has_nan;
         if (dt == AE_BF16)
-            out[r] = argmax_row(row, n, AE_BF16);
+            out[r] = argmax_row(row, n, AE_BF16, &has_nan);
         else if (dt == AE_F32)
-            out[r] = argmax_row(row, n, AE_F32);
+            out[r] = argmax_row(row, n, AE_F32, &has_nan);
         else
-            out[r] = argmax_row(row, n, AE_F16);
+            out[r] = argmax_row(row, n, AE_F16, &has_nan);
+        nan_rows += has_nan;
     }
+    return nan_rows;
 }

@@ -79,6 +79,14 @@ def test_rotary_tables_are_transformers_tables(rope: str, arch: str, tmp_path: P
         x = torch.zeros(1, dtype=dtype)
         want, got = module(x, positions), ours(x, positions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # the lean forward's lookup: rows of tables of the same numbers, grown on demand
+        rows = ours.rows(positions[0], dtype)
+        assert torch.equal(rows[0], want[0][0]) and torch.equal(rows[1], want[1][0])
+        # past the first table (it grows), and past the largest one (computed as they come)
+        for far in (torch.tensor([9000, 3, 17_000]), torch.tensor([40_000, 5])):
+            rows = ours.rows(far, dtype)
+            want = module(x, far[None])
+            assert torch.equal(rows[0], want[0][0]) and torch.equal(rows[1], want[1][0])
 
 
 def test_legacy_rope_settings_resolve_as_transformers_resolves_them(tmp_path: Path) -> None:
