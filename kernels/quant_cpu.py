@@ -360,10 +360,13 @@ Q5_0_AS_BYTES = True
 _R8 = {source: r8 for r8, source in R8_SOURCES.items()}
 
 
-def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
+def decode_layout(
+    qweight: torch.Tensor, qtype: str, empty: Callable[[int, int], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, str]:
     """The weight and its format as the products read them fastest on this machine: Q4_K,
-    Q8_0, Q5_0, Q4_0 and Q6_K as a new tensor of their interleaved format (see REPACK_R8),
-    anything else as it is (the same tensor); on the AVX2 path Q5_0 as Q5_0_BYTES (see
+    Q8_0, Q5_0, Q4_0 and Q6_K as a new tensor of their interleaved format (see REPACK_R8;
+    written into `empty(n, row_bytes)` where given, e.g. a load's weight arena), anything
+    else as it is (the same tensor); on the AVX2 path Q5_0 as Q5_0_BYTES (see
     Q5_0_AS_BYTES)."""
     if load_native() is None:
         return qweight, qtype
@@ -374,13 +377,16 @@ def decode_layout(qweight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]
         return qweight, qtype
     if current_path() != "avx512_vnni" or _R8[qtype] not in native_formats():
         return qweight, qtype
-    return repack_r8(qweight, qtype), _R8[qtype]
+    return repack_r8(qweight, qtype, empty), _R8[qtype]
 
 
-def repack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+def repack_r8(
+    qweight: torch.Tensor, qtype: str, empty: Callable[[int, int], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Q4_K, Q8_0, Q5_0, Q4_0 or Q6_K weights (`qtype`), uint8 [N, row bytes] with N a multiple
-    of 8, in their 8-row interleaved layout (a new tensor of the same shape)."""
-    out, args = _repack_args(qweight, qtype)
+    of 8, in their 8-row interleaved layout (a new tensor of the same shape: `empty(N, row
+    bytes)`, written, where given, else `weight_buffer`'s)."""
+    out, args = _repack_args(qweight, qtype, empty)
     _repacked(_kernels().repack_r8(quant_format(_R8[qtype]).code, *args))
     return out
 
@@ -395,7 +401,7 @@ def unpack_r8(qweight: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def _repack_args(
-    qweight: torch.Tensor, qtype: str
+    qweight: torch.Tensor, qtype: str, empty: Callable[[int, int], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
     """The output of a repack of `qweight` and the native call's arguments after the format
     (source, output, N, K, threads); ValueError if it is not a `qtype` weight (one with an
@@ -415,7 +421,9 @@ def _repack_args(
             f"a {qtype} weight to repack is contiguous uint8 [N, K / {fmt.values} * "
             f"{fmt.nbytes}] with N a multiple of 8; got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    out = weight_buffer(n, row_bytes)
+    out = (empty or weight_buffer)(n, row_bytes)
+    if out.shape != (n, row_bytes) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"empty({n}, {row_bytes}) gave {out.dtype} {tuple(out.shape)}")
     k = row_bytes // fmt.nbytes * fmt.values
     return out, (qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
 

@@ -157,8 +157,8 @@ class _Loader:
         if weight.ggml_type not in _QTYPES:
             return linear_layer(self.values(weight), b, self.arena)
         blocks, qtype = self.blocks(weight), _QTYPES[weight.ggml_type]
-        copy, qtype = decode_layout(blocks, qtype)
-        copy = self.arena.copy(copy)
+        copy, qtype = decode_layout(blocks, qtype, self.arena.empty)
+        copy = self.arena.keep(copy)
         if copy is not blocks:
             blocks = copy
             weight.release_pages()
@@ -178,8 +178,8 @@ class _Loader:
         if len(types) != 1 or any(has_bias) != all(has_bias):
             return None
         blocks = torch.cat([self.blocks(w) for w in weights])
-        blocks, qtype = decode_layout(blocks, _QTYPES[types.pop()])
-        blocks = self.arena.copy(blocks)
+        blocks, qtype = decode_layout(blocks, _QTYPES[types.pop()], self.arena.empty)
+        blocks = self.arena.keep(blocks)
         for w in weights:
             w.release_pages()
         bias = None

@@ -159,12 +159,13 @@ def int8_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, arena: WeightArena | None = None
 ) -> QuantLinear | None:
     """A `QuantLinear` of `weight` [N, K] quantized by `quantize_int8_per_channel` (in the
-    layout the products read fastest here: `decode_layout`; its blocks copied into `arena`
-    where given); None where K is not a multiple of 32 (the layer stays as it is)."""
+    layout the products read fastest here: `decode_layout`; its blocks in `arena` where
+    given); None where K is not a multiple of 32 (the layer stays as it is)."""
     if weight.shape[1] % 32:
         return None
-    qweight, qtype = decode_layout(quantize_int8_per_channel(weight), "q8_0")
-    return QuantLinear(qweight if arena is None else arena.copy(qweight), qtype, bias)
+    empty = None if arena is None else arena.empty
+    qweight, qtype = decode_layout(quantize_int8_per_channel(weight), "q8_0", empty)
+    return QuantLinear(qweight if arena is None else arena.keep(qweight), qtype, bias)
 
 
 # An interleaved table's lookup of more tokens than this dequantizes each group once (sorting

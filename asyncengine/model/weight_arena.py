@@ -33,6 +33,20 @@ class WeightArena:
     def __init__(self) -> None:
         self._chunk: torch.Tensor | None = None  # uint8, flat
         self._used = 0
+        self._made: set[int] = set()  # data_ptr()s of what `empty` gave
+
+    def empty(self, n: int, row_bytes: int) -> torch.Tensor:
+        """uint8 [n, row_bytes] in the arena, for a weight written there in its final layout
+        (`decode_layout`'s repacks: no second copy); `weight_buffer`'s where the arena is off."""
+        if not ENABLED:
+            return weight_buffer(n, row_bytes)
+        out = self._take(n * row_bytes).view(n, row_bytes)
+        self._made.add(out.data_ptr())
+        return out
+
+    def keep(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` itself where `empty` gave it, else `copy(weight)`."""
+        return weight if weight.data_ptr() in self._made else self.copy(weight)
 
     def copy(self, weight: torch.Tensor) -> torch.Tensor:
         """A copy of `weight` (contiguous, any dtype) in the arena, of the same shape; `weight`

@@ -42,6 +42,26 @@ def test_copies_are_aligned_consecutive_and_keep_their_chunk(
     assert torch.equal(copies[1], weights[1]) and all(int(f[0]) == i for i, f in enumerate(full))
 
 
+def test_a_repack_writes_into_the_arena_once() -> None:
+    """decode_layout's repacks take their memory from `empty`: `keep` then holds them as they
+    are (no second copy), and copies what was returned unchanged."""
+    from asyncengine.kernels.quant_cpu import native_formats, repack_r8
+    from asyncengine.kernels.quant_formats import random_blocks
+
+    if "q8_0_r8" not in native_formats():
+        pytest.skip("no native Q8_0_R8 repack in this build")
+    arena = WeightArena()
+    rows = random_blocks("q8_0", 16, 64, torch.Generator().manual_seed(1))
+    r8 = repack_r8(rows, "q8_0", arena.empty)
+    assert torch.equal(r8, repack_r8(rows, "q8_0")) and r8.data_ptr() % 64 == 0
+    assert arena.keep(r8) is r8
+    kept = arena.keep(rows)  # not the arena's: copied in, next to the repack
+    assert kept is not rows and torch.equal(kept, rows)
+    assert kept.untyped_storage().data_ptr() == r8.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="gave"):
+        repack_r8(rows, "q8_0", lambda n, b: torch.empty(n, b + 1, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_gguf_weights_load_into_the_arena_with_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: Q
