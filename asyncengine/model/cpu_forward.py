@@ -91,6 +91,8 @@ class CpuForward:
         self._embed_weight = embed_weight
         self._embed_rows = embed_rows
         self._rotary = rotary
+        # RotaryEmbedding's table lookup; None for transformers' rotary module
+        self._rotary_rows = getattr(rotary, "rows", None)
         self._final_norm = final_norm
         self._final_eps = final_eps
         self._lm_head = lm_head
@@ -164,9 +166,8 @@ class CpuForward:
         else:
             assert self._embed_weight is not None
             residual = F.embedding(input_ids, self._embed_weight)
-        rows = getattr(self._rotary, "rows", None)  # RotaryEmbedding's table lookup
-        if rows is not None:
-            cos, sin = rows(positions, residual.dtype)  # [T, D] each
+        if self._rotary_rows is not None:
+            cos, sin = self._rotary_rows(positions, residual.dtype)  # [T, D] each
         else:  # transformers' rotary module (a model built through transformers)
             cos, sin = self._rotary(residual, positions[None])  # [1, T, D] each
             cos, sin = cos[0], sin[0]
